@@ -1,0 +1,79 @@
+"""encode_codes_triton: x → packed anchor / residual nibbles, one program per (b·h, block of tokens)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _code(u, thr_ptr, NSTEPS: tl.constexpr):
+    # number of sorted thresholds ≤ u, by binary search over a table padded with +inf to 2**NSTEPS entries
+    code = tl.zeros(u.shape, dtype=tl.int32)
+    step = 1 << (NSTEPS - 1)
+    for _ in tl.static_range(NSTEPS):
+        cand = code + step
+        t = tl.load(thr_ptr + cand - 1)
+        code = tl.where(t <= u, cand, code)
+        step = step // 2
+    return code
+
+
+@triton.jit
+def _encode_kernel(x_ptr, gmin_ptr, gscale_ptr, mu_ptr, rho_ptr, thr_ptr, a_ptr, r_ptr,
+                   S, D, NP, NC,
+                   PAGE: tl.constexpr, CHUNK: tl.constexpr, HAS_PAGE: tl.constexpr, TOKEN_AXIS: tl.constexpr,
+                   SIGN_MAG: tl.constexpr, STAT_UNIT: tl.constexpr,
+                   BLOCK_S: tl.constexpr, HALF_D: tl.constexpr):
+    bh = tl.program_id(0)
+    s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)[:, None]  # [BLOCK_S, 1]
+    j = tl.arange(0, HALF_D)[None, :]                                  # [1, HALF_D]
+    mask = (s < S) & (j < D // 2)
+    for half in tl.static_range(2):
+        d = 2 * j + half
+        xn = tl.load(x_ptr + (bh * S + s) * D + d, mask=mask, other=0.0).to(tl.float32)
+        if HAS_PAGE:
+            pidx = (bh * NP + s // PAGE) * D + d
+            xn = (xn - tl.load(gmin_ptr + pidx, mask=mask, other=0.0).to(tl.float32)) / \
+                tl.load(gscale_ptr + pidx, mask=mask, other=1.0).to(tl.float32)
+        if TOKEN_AXIS:
+            cidx = bh * S + s + 0 * d
+        else:
+            cidx = (bh * NC + s // CHUNK) * D + d
+        mu = tl.load(mu_ptr + cidx, mask=mask, other=0).to(tl.float32) * STAT_UNIT
+        rho = tl.load(rho_ptr + cidx, mask=mask, other=1).to(tl.float32) * STAT_UNIT
+        u = (xn - mu) / rho
+        if SIGN_MAG:
+            code = _code(tl.abs(u), thr_ptr, 7) + tl.where(u < 0, 128, 0)
+        else:
+            code = _code(u, thr_ptr, 8)
+        if half == 0:
+            a_lo, r_lo = code >> 4, code & 15
+        else:
+            a_hi, r_hi = code >> 4, code & 15
+    out = (bh * S + s) * (D // 2) + j
+    tl.store(a_ptr + out, (a_lo | (a_hi << 4)).to(tl.uint8), mask=mask)
+    tl.store(r_ptr + out, (r_lo | (r_hi << 4)).to(tl.uint8), mask=mask)
+
+
+def encode_codes_triton(x, gmin, gscale, mu, rho, thr, *, axis: str, page: int, chunk: int, sign_magnitude: bool):
+    """Same contract as lynx_hf.quant.lynx.encode_codes. x: [B, H, S, D] → (anchor, residual) [B, H, S, D/2]."""
+    B, H, S, D = x.shape
+    x = x.contiguous()
+    n = 128 if sign_magnitude else 256
+    table = torch.full((n,), float("inf"), dtype=torch.float32, device=x.device)
+    table[: thr.numel()] = thr.to(x.device)
+    anchor = torch.empty(B, H, S, D // 2, dtype=torch.uint8, device=x.device)
+    residual = torch.empty_like(anchor)
+    has_page = gmin is not None
+    dummy = mu  # any tensor: never read when HAS_PAGE is false
+    NP = gmin.shape[2] if has_page else 1
+    NC = 1 if axis == "token" else mu.shape[2]
+    BLOCK_S = 32
+    grid = (B * H, triton.cdiv(S, BLOCK_S))
+    _encode_kernel[grid](x, gmin.contiguous() if has_page else dummy, gscale.contiguous() if has_page else dummy,
+                         mu.contiguous(), rho.contiguous(), table, anchor, residual, S, D, NP, NC,
+                         PAGE=page, CHUNK=chunk, HAS_PAGE=has_page, TOKEN_AXIS=axis == "token",
+                         SIGN_MAG=sign_magnitude, STAT_UNIT=1.0 / 255 if mu.dtype == torch.uint8 else 1.0,
+                         BLOCK_S=BLOCK_S, HALF_D=triton.next_power_of_2(D // 2))
+    return anchor, residual

@@ -1,0 +1,57 @@
+"""The `lynx-hf` command: argument parsing only; each subcommand calls into lynx_hf or lynx_hf.eval."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _codec_quality(a):
+    from lynx_hf.eval import codec_quality, data
+
+    lines = []
+    emit = (lambda s: None) if a.json else print
+    res = codec_quality.run(a.text or data.shakespeare(), contexts=tuple(a.contexts), gen=a.gen,
+                            ablation=not a.no_ablation, model_name=a.model, out=lambda s: (lines.append(s), emit(s)))
+    if a.markdown:
+        with open(a.markdown, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    print(json.dumps(res))
+
+
+def _bench(a):
+    from lynx_hf.eval import bench_codec
+
+    if a.what == "codec":
+        bench_codec.run(tokens=a.tokens)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="lynx-hf", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    q = sub.add_parser("codec-quality", help="KV codec quality on real KV of the default model")
+    q.add_argument("--text", help="text file for the contexts (default: shared tinyshakespeare)")
+    q.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    q.add_argument("--gen", type=int, default=32, help="teacher-forced tokens")
+    q.add_argument("--model", help="Hub id or local path (default: embedded SmolLM2-135M-Instruct)")
+    q.add_argument("--no-ablation", action="store_true")
+    q.add_argument("--markdown", help="also write the tables to this file")
+    q.add_argument("--json", action="store_true", help="print only the final JSON line")
+    q.set_defaults(fn=_codec_quality)
+
+    b = sub.add_parser("bench", help="benchmarks that print numbers and a final JSON line")
+    b.add_argument("what", choices=["codec"])
+    b.add_argument("--tokens", type=int, default=4096)
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(fn=_bench)
+
+    from lynx_hf import demo_cli  # the transfer/demo commands register themselves
+
+    demo_cli.register(sub)
+    a = p.parse_args(argv)
+    return a.fn(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

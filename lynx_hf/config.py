@@ -1,0 +1,106 @@
+"""Validated, frozen settings. Every other module takes one of these instead of loose keyword arguments.
+
+`LynxQuantConfig` fixes the KV codec (which method, which anchor design, alpha, C, page size, axes);
+`SpecConfig` fixes the draft/verify loop. A config is hashable and cheap to compare, so a peer can refuse a
+mismatch at the handshake (see `to_dict`/`from_dict`)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+METHODS = ("lynx", "paper", "bf16", "int8", "kivi4", "kivi2", "identity")
+ANCHORS = ("centroid", "center", "paper")
+AXES = ("auto", "channel", "token")
+
+
+@dataclass(frozen=True)
+class LynxQuantConfig:
+    """The KV codec.
+
+    method:     "lynx" (offset-binary companded code, the default), "paper" (sign-magnitude α-law, as published),
+                or a baseline with the same API: "bf16", "int8", "kivi4", "kivi2", "identity" (lossless passthrough).
+    alpha:      α of the α-law compander y = ln(1+α|u|)/ln(1+α); 0 means linear.
+    chunk_size: C, tokens per chunk for the μ/σ outlier-isolation stage when that stage runs along channels.
+    page_size:  tokens per page for the per-channel γ normalisation ("paper" only: in "lynx" the chunk μ/σ are
+                fp16 and a page stage would add bits and no precision).
+    key_axis / value_axis: direction of the chunk stage: "channel" (C tokens of one channel share μ/σ),
+                "token" (the D channels of one token share μ/σ) or "auto" (chosen per tensor from its outlier
+                structure, see quant.lynx.choose_axis; keys come out "channel", values mostly "token").
+    anchor:     how a 4-bit anchor is reconstructed alone: "center" (its grid point, default), "centroid"
+                (mean of its fine cells) or "paper" (code 16a+7, the published +7 bias).
+    group_size: group of the uniform baselines (KIVI: tokens per channel group for keys, channels for values).
+    """
+
+    method: str = "lynx"
+    alpha: float = 0.5
+    chunk_size: int = 64
+    page_size: int = 256
+    key_axis: str = "auto"
+    value_axis: str = "auto"
+    anchor: str = "center"
+    group_size: int = 64
+
+    def __post_init__(self):
+        def bad(msg):
+            raise ValueError(f"LynxQuantConfig: {msg}")
+
+        if self.method not in METHODS:
+            bad(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.anchor not in ANCHORS:
+            bad(f"anchor must be one of {ANCHORS}, got {self.anchor!r}")
+        for name in ("key_axis", "value_axis"):
+            if getattr(self, name) not in AXES:
+                bad(f"{name} must be one of {AXES}, got {getattr(self, name)!r}")
+        if not (isinstance(self.alpha, (int, float)) and 0.0 <= float(self.alpha) <= 1e4):
+            bad(f"alpha must be a number in [0, 1e4], got {self.alpha!r}")
+        for name in ("chunk_size", "page_size", "group_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not (1 <= v <= 65536):
+                bad(f"{name} must be an int in [1, 65536], got {v!r}")
+        if self.page_size % self.chunk_size:
+            bad(f"page_size ({self.page_size}) must be a multiple of chunk_size ({self.chunk_size})")
+        if self.method == "paper" and self.anchor != "paper":
+            object.__setattr__(self, "anchor", "paper")  # the published scheme has one anchor rule
+
+    @property
+    def is_split(self) -> bool:
+        """True when the code has a separate residual stream (Lynx / paper); baselines ship in one piece."""
+        return self.method in ("lynx", "paper")
+
+    def axis(self, kind: str) -> str:
+        if kind not in ("key", "value"):
+            raise ValueError(f"kind must be 'key' or 'value', got {kind!r}")
+        return self.key_axis if kind == "key" else self.value_axis
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LynxQuantConfig":
+        if not isinstance(d, dict):
+            raise ValueError("LynxQuantConfig.from_dict needs a dict")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"LynxQuantConfig: unknown fields {sorted(unknown)}")
+        return cls(**d)
+
+    @classmethod
+    def paper(cls, **kw) -> "LynxQuantConfig":
+        """The scheme as published: sign-magnitude α-law code, +7-biased anchor, per-channel chunks."""
+        base = dict(method="paper", alpha=255.0, anchor="paper", key_axis="channel", value_axis="channel")
+        base.update(kw)
+        return cls(**base)
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """The draft → verify loop. max_draft_tokens bounds the work that verification may throw away;
+    poll_interval_s is how long a draft step waits, at most, before it re-checks the residual."""
+
+    max_draft_tokens: int = 64
+    draft_while_waiting: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.max_draft_tokens, int) or not (0 <= self.max_draft_tokens <= 4096):
+            raise ValueError(f"SpecConfig: max_draft_tokens must be an int in [0, 4096], got {self.max_draft_tokens!r}")

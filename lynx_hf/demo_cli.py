@@ -1,0 +1,5 @@
+"""Subcommands that need the cache, generation and transfer layers (registered into `lynx-hf`)."""
+
+
+def register(sub):
+    pass

@@ -1,0 +1,68 @@
+"""Pure quantization: `encode(x, config) -> SplitKV` and `decode(split, tier) -> Tensor`, for every method.
+
+x is one layer's keys or values, [B, H_kv, S, D], in bf16 / fp16 / fp32. This package knows nothing about caches,
+models or transport. `encode`/`decode` pick the fastest exact implementation for the tensor's device (Triton on
+CUDA, a fused torch.compile path on CPU when enabled, else the eager reference); `reference=True` forces the
+reference."""
+from __future__ import annotations
+
+import torch
+
+from ..config import LynxQuantConfig
+from . import baselines, lynx
+from .splitkv import TIERS, SplitKV
+
+__all__ = ["encode", "decode", "SplitKV", "TIERS", "validate_input"]
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def validate_input(x) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"encode: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 4:
+        raise ValueError(f"encode: expected x of rank 4 [B, H_kv, S, D], got shape {tuple(x.shape)}")
+    if x.dtype not in DTYPES:
+        raise ValueError(f"encode: unsupported dtype {x.dtype}; expected one of {DTYPES}")
+    if x.numel() == 0:
+        raise ValueError(f"encode: empty tensor of shape {tuple(x.shape)}")
+
+
+def encode(x: torch.Tensor, config: LynxQuantConfig | None = None, kind: str = "key", *,
+           reference: bool = False) -> SplitKV:
+    """Encode one K or V tensor. kind ("key" | "value") selects the grouping axis the config gives that kind."""
+    config = config or LynxQuantConfig()
+    if not isinstance(config, LynxQuantConfig):
+        raise ValueError(f"encode: config must be a LynxQuantConfig, got {type(config).__name__}")
+    if kind not in ("key", "value"):
+        raise ValueError(f"encode: kind must be 'key' or 'value', got {kind!r}")
+    validate_input(x)
+    if config.method in ("identity", "bf16"):
+        if not torch.isfinite(x).all():
+            raise ValueError("encode: input contains NaN or Inf")
+        return baselines.encode_passthrough(x, config, kind)
+    if config.method in baselines.BITS:
+        if not torch.isfinite(x).all():
+            raise ValueError("encode: input contains NaN or Inf")
+        return baselines.encode_uniform(x, config, kind)
+    from .dispatch import fused_encode_op
+
+    return lynx.encode(x, config, kind, impl=None if reference else fused_encode_op(x.device))
+
+
+def decode(split: SplitKV, tier: str = "full", *, reference: bool = False) -> torch.Tensor:
+    """Reconstruct [B, H, S, D] in the input's dtype from the anchor alone ("anchor") or both streams ("full")."""
+    if not isinstance(split, SplitKV):
+        raise ValueError(f"decode: expected a SplitKV, got {type(split).__name__}")
+    if tier not in TIERS:
+        raise ValueError(f"decode: tier must be one of {TIERS}, got {tier!r}")
+    m = split.config.method
+    if m in ("identity", "bf16"):
+        return baselines.decode_passthrough(split)
+    if m in baselines.BITS:
+        return baselines.decode_uniform(split)
+    if tier == "full" and split.residual is None:
+        raise ValueError("decode: the full tier needs the residual stream, which this SplitKV lacks")
+    from .dispatch import fused_decode_op
+
+    return lynx.decode(split, tier, impl=None if reference else fused_decode_op(split.anchor.device))

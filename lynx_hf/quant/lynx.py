@@ -1,0 +1,190 @@
+"""The Lynx codec in pure torch: the reference every kernel is compared against.
+
+Hierarchy (paper notation), for x: [B, H, S, D]:
+  1. page γ ("paper" only): per page of P tokens and per channel, γ_min and γ_scale (fp16, rounded outward) map
+               x to x_n = (x − γ_min) / γ_scale ∈ [0, 1]. ("lynx": x_n = x.)
+  2. chunk μ/σ: per group (C tokens of one channel, or the D channels of one token), a centre μ and a half-width
+               σ give u = (x_n − μ) / σ ∈ [−1, 1]; outliers only widen their own chunk. "paper": μ = mean,
+               σ = max |x_n − μ|, both uint8 in units of 1/255 of the page range; "lynx": mid-range and half-range
+               in fp16 (8-bit stats relative to a page lose the chunk whenever an attention-sink token sets the
+               page range, measured in docs/codec.md).
+  3. α-law:    y = sign(u)·ln(1+α|u|)/ln(1+α), coded on 8 bits (see tables.py), split into a 4-bit anchor
+               (MSBs) and a 4-bit residual (LSBs), each packed two a byte.
+Decoding is x̂ = γ_min + γ_scale·(μ + σ·LUT[code]). Codes depend only on u, computed the same way everywhere."""
+from __future__ import annotations
+
+import torch
+
+from ..config import LynxQuantConfig
+from .pack import join_codes, pack4, split_codes, unpack4
+from .splitkv import SplitKV
+from .tables import tables
+
+FP16_MAX = 65504.0
+
+
+def _pad_tokens(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Pad S up to a multiple by repeating the last token (leaves every min/max unchanged)."""
+    S = x.shape[2]
+    pad = (-S) % multiple
+    if pad == 0:
+        return x
+    return torch.cat([x, x[:, :, -1:].expand(-1, -1, pad, -1)], dim=2)
+
+
+def page_stats(x: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [B, H, S, D] fp32 → γ_min, γ_scale: [B, H, NP, D] fp16 with γ_min ≤ min and γ_min + γ_scale ≥ max."""
+    B, H, S, D = x.shape
+    xp = _pad_tokens(x, page).view(B, H, -1, page, D)
+    lo, hi = xp.amin(3), xp.amax(3)
+    gmin = lo.half()
+    gmin = torch.where(gmin.float() > lo, torch.nextafter(gmin, torch.tensor(-torch.inf, dtype=gmin.dtype)), gmin)
+    span = hi - gmin.float()
+    gscale = span.clamp_min(2.0 ** -24).half()
+    gscale = torch.where(gscale.float() < span, torch.nextafter(gscale, torch.tensor(torch.inf, dtype=gscale.dtype)), gscale)
+    return gmin, gscale
+
+
+def _page_view(t: torch.Tensor, S: int, page: int) -> torch.Tensor:
+    """Per-page [B, H, NP, D] → per-token [B, H, S, D] (a cheap expand + reshape)."""
+    B, H, NP, D = t.shape
+    return t.float().unsqueeze(3).expand(B, H, NP, page, D).reshape(B, H, NP * page, D)[:, :, :S]
+
+
+def _chunk_view(t: torch.Tensor, S: int, axis: str, chunk: int) -> torch.Tensor:
+    """Chunk stats → broadcastable per-token view: channel axis [B,H,NC,D] → [B,H,S,D]; token axis [B,H,S] → [B,H,S,1]."""
+    if axis == "token":
+        return t.float().unsqueeze(-1)
+    B, H, NC, D = t.shape
+    return t.float().unsqueeze(3).expand(B, H, NC, chunk, D).reshape(B, H, NC * chunk, D)[:, :, :S]
+
+
+def chunk_stats(xn: torch.Tensor, axis: str, chunk: int, paper: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """xn: [B, H, S, D] → μ, σ: [B, H, NC, D] (channel axis) or [B, H, S] (token axis).
+    paper: mean / max-deviation as uint8 in units of 1/255 (xn ∈ [0, 1]); else mid-range / half-range in fp16."""
+    B, H, S, D = xn.shape
+    if axis == "token":
+        lo, hi = xn.amin(-1), xn.amax(-1)
+        mean = xn.mean(-1)
+    else:
+        g = _pad_tokens(xn, chunk).view(B, H, -1, chunk, D)
+        lo, hi = g.amin(3), g.amax(3)
+        valid = torch.ones(g.shape[2] * chunk, dtype=xn.dtype, device=xn.device)
+        valid[S:] = 0
+        valid = valid.view(1, 1, -1, chunk, 1)
+        mean = (g * valid).sum(3) / valid.sum(3)
+    if not paper:
+        mu = ((hi + lo) / 2).half()
+        span = torch.maximum(hi - mu.float(), mu.float() - lo)
+        sigma = span.clamp_min(2.0 ** -24).half()
+        sigma = torch.where(sigma.float() < span, torch.nextafter(sigma, torch.tensor(torch.inf, dtype=sigma.dtype)), sigma)
+        return mu, sigma
+    mu_q = (mean * 255).round().clamp(0, 255)
+    muf = mu_q / 255
+    dev = torch.maximum(hi - muf, muf - lo)
+    rho_q = (dev * 255).ceil().clamp(1, 255)
+    return mu_q.to(torch.uint8), rho_q.to(torch.uint8)
+
+
+def _stat_unit(t: torch.Tensor) -> float:
+    return 1.0 / 255 if t.dtype == torch.uint8 else 1.0
+
+
+def normalise(x, gmin, gscale, mu, rho, *, axis: str, page: int, chunk: int) -> torch.Tensor:
+    """u = ((x − γ_min)/γ_scale − μ)/σ in fp32 (no page stage when gmin is None), in this exact order of
+    operations (the kernels repeat it)."""
+    S = x.shape[2]
+    xn = x.float()
+    if gmin is not None:
+        xn = (xn - _page_view(gmin, S, page)) / _page_view(gscale, S, page)
+    k = _stat_unit(mu)
+    return (xn - _chunk_view(mu, S, axis, chunk) * k) / (_chunk_view(rho, S, axis, chunk) * k)
+
+
+def codes_from_u(u: torch.Tensor, thr: torch.Tensor, sign_magnitude: bool) -> torch.Tensor:
+    """u → 8-bit codes by counting thresholds (bucketize): exact and implementation-independent."""
+    thr = thr.to(u.device)
+    if sign_magnitude:
+        m = torch.bucketize(u.abs(), thr, right=True)
+        return ((u < 0).to(torch.int64) * 128 + m).to(torch.uint8)
+    return torch.bucketize(u, thr, right=True).to(torch.uint8)
+
+
+def encode_codes(x, gmin, gscale, mu, rho, thr, *, axis: str, page: int, chunk: int, sign_magnitude: bool):
+    """Normalise, compand, split and pack (the op the Triton kernel fuses).
+    x: [B, H, S, D] → (anchor, residual): [B, H, S, D/2] uint8 each."""
+    u = normalise(x, gmin, gscale, mu, rho, axis=axis, page=page, chunk=chunk)
+    a, r = split_codes(codes_from_u(u, thr, sign_magnitude))
+    return pack4(a), pack4(r)
+
+
+def decode_codes(anchor, residual, gmin, gscale, mu, rho, lut, *, axis: str, page: int, chunk: int,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """Unpack, look up and de-normalise. residual None → anchor tier (lut is the 16-entry anchor table),
+    else full tier (lut is the 256-entry table). Returns [B, H, S, D] in out_dtype."""
+    a = unpack4(anchor)
+    code = a if residual is None else join_codes(a, unpack4(residual))
+    S = code.shape[2]
+    u = lut.to(code.device)[code.long()]
+    k = _stat_unit(mu)
+    xn = _chunk_view(mu, S, axis, chunk) * k + _chunk_view(rho, S, axis, chunk) * k * u
+    if gmin is None:
+        return xn.to(out_dtype)
+    return (_page_view(gmin, S, page) + _page_view(gscale, S, page) * xn).to(out_dtype)
+
+
+def check_finite_range(x: torch.Tensor) -> None:
+    if not torch.isfinite(x).all():
+        raise ValueError("encode: input contains NaN or Inf")
+    if x.abs().max() > FP16_MAX:
+        raise ValueError(f"encode: |x| exceeds {FP16_MAX:g}, the range of the fp16 page metadata; use method='bf16'")
+
+
+AUTO_CHANNEL_RATIO = 2.9
+
+
+def choose_axis(x: torch.Tensor) -> str:
+    """"channel" when a few channels dominate (max/median of the per-channel absmax, averaged over heads, at least
+    AUTO_CHANNEL_RATIO: keys, with their rotary outlier channels), else "token" (values: per-token scale, and
+    small-norm attention-sink tokens that keep their precision only in their own group). On SmolLM2 the rule
+    picks "channel" for every key tensor and "token" for all but the first value tensors (docs/codec.md)."""
+    ch = x.detach().float().abs().amax(2)  # [B, H, D]
+    ratio = ch.amax(-1) / ch.median(-1).values.clamp_min(1e-30)
+    return "channel" if float(ratio.mean()) >= AUTO_CHANNEL_RATIO else "token"
+
+
+def encode(x: torch.Tensor, config: LynxQuantConfig, kind: str, impl=None) -> SplitKV:
+    """Lynx / paper encode. `impl` is the fused op to use for encode_codes (same signature); None = reference."""
+    axis = config.axis(kind)
+    check_finite_range(x)
+    if x.shape[-1] % 2:
+        raise ValueError(f"encode: head_dim must be even to pack 4-bit codes, got {x.shape[-1]}")
+    if axis == "auto":
+        axis = choose_axis(x)
+    xn, S, paper = x.float(), x.shape[2], config.method == "paper"
+    gmin = gscale = None
+    if paper:
+        gmin, gscale = page_stats(xn, config.page_size)
+        xn = (xn - _page_view(gmin, S, config.page_size)) / _page_view(gscale, S, config.page_size)
+    mu, rho = chunk_stats(xn, axis, config.chunk_size, paper)
+    thr, _, _ = tables(config.method, float(config.alpha), config.anchor)
+    op = impl or encode_codes
+    anchor, residual = op(x, gmin, gscale, mu, rho, thr, axis=axis, page=config.page_size,
+                          chunk=config.chunk_size, sign_magnitude=config.method == "paper")
+    meta = {"mu": mu, "sigma": rho}
+    if paper:
+        meta.update(gamma_min=gmin, gamma_scale=gscale)
+    return SplitKV(config, kind, tuple(x.shape), x.dtype, anchor, residual, meta, axis)
+
+
+def decode(split: SplitKV, tier: str, impl=None) -> torch.Tensor:
+    cfg = split.config
+    _, full, anc = tables(cfg.method, float(cfg.alpha), cfg.anchor)
+    m = split.meta
+    op = impl or decode_codes
+    if tier == "full":
+        res, lut = split.residual, full
+    else:
+        res, lut = None, anc
+    return op(split.anchor, res, m.get("gamma_min"), m.get("gamma_scale"), m["mu"], m["sigma"], lut,
+              axis=split.axis, page=cfg.page_size, chunk=cfg.chunk_size, out_dtype=split.dtype)

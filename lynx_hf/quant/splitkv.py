@@ -1,0 +1,53 @@
+"""`SplitKV`: what one encoded K or V tensor is made of, and what each tier costs on the wire.
+
+The anchor stream is the packed 4-bit MSB codes plus *all* metadata (γ, μ/σ): it alone decodes to the anchor tier.
+The residual stream is the packed 4-bit LSB codes and nothing else. Baselines keep everything in `anchor` and have
+no residual, so both tiers are the same for them."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import LynxQuantConfig
+
+TIERS = ("anchor", "full")
+
+
+@dataclass
+class SplitKV:
+    config: LynxQuantConfig
+    kind: str                      # "key" | "value"
+    shape: tuple                   # (B, H, S, D) of the input
+    dtype: torch.dtype             # dtype of the input, restored by decode
+    anchor: torch.Tensor           # uint8 payload of the anchor stream (codes only; meta is below)
+    residual: torch.Tensor | None  # uint8 packed 4-bit LSBs, or None when the method has no residual
+    meta: dict = field(default_factory=dict)  # name -> tensor; travels with the anchor
+    axis: str = ""                 # grouping axis the encoder used ("channel" | "token"; "" for passthrough)
+
+    def meta_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.meta.values())
+
+    def nbytes(self, tier: str = "full") -> int:
+        """Bytes that must cross the wire for `tier`, metadata included."""
+        if tier not in TIERS:
+            raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
+        n = self.anchor.numel() * self.anchor.element_size() + self.meta_nbytes()
+        if tier == "full" and self.residual is not None:
+            n += self.residual.numel()
+        return n
+
+    def bits_per_value(self, tier: str = "full") -> float:
+        numel = 1
+        for s in self.shape:
+            numel *= s
+        return 8.0 * self.nbytes(tier) / numel
+
+    @property
+    def has_residual(self) -> bool:
+        return self.residual is not None
+
+    def to(self, device) -> "SplitKV":
+        mv = lambda t: None if t is None else t.to(device)
+        return SplitKV(self.config, self.kind, self.shape, self.dtype, mv(self.anchor), mv(self.residual),
+                       {k: v.to(device) for k, v in self.meta.items()}, self.axis)

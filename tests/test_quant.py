@@ -1,0 +1,126 @@
+"""The codec's exact invariants (tolerance 0) and its error handling; quality on synthetic data."""
+import pytest
+import torch
+
+from lynx_hf import LynxQuantConfig as Q
+from lynx_hf import quant
+from lynx_hf.quant import lynx as L
+from lynx_hf.quant.pack import join_codes, pack2, pack4, split_codes, unpack2, unpack4
+from lynx_hf.quant.tables import tables
+
+ALL = [Q(), Q(key_axis="token"), Q(alpha=0.0), Q.paper(), Q.paper(key_axis="token"), Q(method="bf16"),
+       Q(method="int8"), Q(method="kivi4"), Q(method="kivi2"), Q(method="identity")]
+
+
+def kv(S=300, B=2, H=3, D=64, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, H, S, D, generator=g) * torch.linspace(0.2, 4, D)  # channel-scaled
+    x[:, :, 0] *= 25  # an attention-sink-like token
+    return x.to(dtype)
+
+
+def test_pack_unpack_lossless():
+    c = torch.randint(0, 16, (3, 5, 7, 64), dtype=torch.uint8)
+    assert torch.equal(unpack4(pack4(c)), c)
+    c2 = torch.randint(0, 4, (3, 5, 7, 64), dtype=torch.uint8)
+    assert torch.equal(unpack2(pack2(c2)), c2)
+    full = torch.arange(256, dtype=torch.uint8)
+    a, r = split_codes(full)
+    assert torch.equal(join_codes(a, r), full) and int(a.max()) == 15 and int(r.max()) == 15
+
+
+@pytest.mark.parametrize("method", ["lynx", "paper"])
+def test_tables_monotone_and_idempotent(method):
+    cfg = Q() if method == "lynx" else Q.paper()
+    thr, full, anc = tables(cfg.method, cfg.alpha, cfg.anchor)
+    assert (thr[1:] >= thr[:-1]).all()
+    # encoding a full-tier reconstruction gives back its own code (every reachable code is a fixed point)
+    codes = torch.arange(256)
+    u = full[codes]
+    back = L.codes_from_u(u, thr, method == "paper").long()
+    reach = (u.abs() <= 1.0 + 1e-6)
+    assert torch.equal(back[reach], codes[reach])
+
+
+@pytest.mark.parametrize("cfg", [Q(), Q(key_axis="token"), Q.paper()], ids=["lynx-ch", "lynx-tok", "paper"])
+def test_anchor_and_residual_rebuild_the_8bit_code(cfg):
+    x = kv()
+    s = quant.encode(x, cfg)
+    m = s.meta
+    u = L.normalise(x, m.get("gamma_min"), m.get("gamma_scale"), m["mu"], m["sigma"], axis=s.axis,
+                    page=cfg.page_size, chunk=cfg.chunk_size)
+    codes = L.codes_from_u(u, tables(cfg.method, cfg.alpha, cfg.anchor)[0], cfg.method == "paper")
+    assert torch.equal(join_codes(unpack4(s.anchor), unpack4(s.residual)), codes)
+
+
+@pytest.mark.parametrize("cfg", ALL, ids=lambda c: f"{c.method}-{c.key_axis}")
+@pytest.mark.parametrize("S", [1, 63, 65, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_shape_dtype_determinism_any_length(cfg, S, dtype):
+    x = kv(S=S, dtype=dtype)
+    s1, s2 = quant.encode(x, cfg), quant.encode(x, cfg)
+    assert torch.equal(s1.anchor, s2.anchor)
+    for tier in ("anchor", "full"):
+        a, b = quant.decode(s1, tier), quant.decode(s2, tier)
+        assert a.shape == x.shape and a.dtype == x.dtype
+        assert torch.equal(a, b)
+    if cfg.method == "identity":
+        assert torch.equal(quant.decode(s1), x)
+
+
+def test_error_ordering_and_bits():
+    x = kv(S=512)
+    err = lambda y: float((y.float() - x).pow(2).sum() / x.pow(2).sum())
+    s = quant.encode(x, Q())
+    ea, ef = err(quant.decode(s, "anchor")), err(quant.decode(s, "full"))
+    e2 = err(quant.decode(quant.encode(x, Q(method="kivi2"))))
+    assert ef < ea / 50 < e2 / 50
+    assert s.bits_per_value("anchor") <= 4.5 and s.bits_per_value("full") <= 8.5
+    assert s.nbytes("full") - s.nbytes("anchor") == s.residual.numel() == x.numel() // 2
+
+
+def test_auto_axis_picks_channel_for_outlier_channels():
+    x = torch.randn(1, 2, 256, 64)
+    x[..., 5] *= 30
+    assert L.choose_axis(x) == "channel"
+    y = torch.randn(1, 2, 256, 64) * torch.rand(1, 1, 256, 1) * 5
+    assert L.choose_axis(y) == "token"
+
+
+@pytest.mark.parametrize("bad,msg", [
+    (lambda x: x.clone().index_put_((torch.tensor([0]),), torch.tensor(float("nan"))), "NaN"),
+    (lambda x: x.clone().fill_(float("inf")), "NaN or Inf"),
+    (lambda x: x[0], "rank 4"),
+    (lambda x: x.to(torch.int32), "dtype"),
+    (lambda x: x[:, :, :0], "empty"),
+    (lambda x: x[..., :63], "even"),
+    (lambda x: x * 1e6, "fp16"),
+])
+def test_bad_input_raises_value_error(bad, msg):
+    with pytest.raises(ValueError, match=msg):
+        quant.encode(bad(kv(S=16)), Q())
+
+
+@pytest.mark.parametrize("kw,msg", [({"method": "int3"}, "method"), ({"alpha": -1.0}, "alpha"),
+                                    ({"chunk_size": 0}, "chunk_size"), ({"page_size": 100}, "multiple"),
+                                    ({"key_axis": "diag"}, "key_axis"), ({"anchor": "x"}, "anchor")])
+def test_bad_config_raises(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        Q(**kw)
+
+
+def test_decode_errors():
+    s = quant.encode(kv(S=8), Q())
+    with pytest.raises(ValueError, match="tier"):
+        quant.decode(s, "half")
+    s.residual = None
+    with pytest.raises(ValueError, match="residual"):
+        quant.decode(s, "full")
+    assert quant.decode(s, "anchor").shape == (2, 3, 8, 64)
+
+
+def test_config_roundtrip():
+    c = Q(alpha=1.0, chunk_size=32)
+    assert Q.from_dict(c.to_dict()) == c
+    with pytest.raises(ValueError, match="unknown"):
+        Q.from_dict({"alpha": 1.0, "bogus": 1})
