@@ -2,6 +2,10 @@
 from .config import LynxQuantConfig, SpecConfig
 from .model import load_default_model
 from . import quant
+from .cache import LoaderError, LynxCache
+from .generate import speculative_generate
+from .streamer import SpeculativeStreamer
 
-__all__ = ["LynxQuantConfig", "SpecConfig", "load_default_model", "quant"]
+__all__ = ["LynxQuantConfig", "SpecConfig", "load_default_model", "quant", "LynxCache", "LoaderError",
+           "speculative_generate", "SpeculativeStreamer"]
 __version__ = "0.1.0"
