@@ -1,0 +1,106 @@
+"""LynxCache mechanics: tiers, tail, crop, batch selection, readiness across threads, loader failures."""
+import threading
+import time
+
+import pytest
+import torch
+
+from lynx_hf import LoaderError, LynxCache, LynxQuantConfig as Q
+from lynx_hf.loader import InProcessLoader, anchor_only, encode_layers
+from lynx_hf.quant import decode
+
+
+def kv(L=2, B=2, H=3, S=70, D=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(B, H, S, D, generator=g), torch.randn(B, H, S, D, generator=g)) for _ in range(L)]
+
+
+def test_tiers_tail_crop_and_sizes():
+    data = kv()
+    cache = LynxCache(2, 70)
+    InProcessLoader(data, Q(), residual_after_tokens=3).attach(cache)
+    assert cache.anchors_ready() and not cache.residual_ready()
+    cache.set_tier("anchor")
+    k_anchor = cache.layers[0].keys.clone()
+    assert cache.get_seq_length() == 70 and cache.get_mask_sizes(4, 0) == (74, 0)
+    for layer in (0, 1):
+        cache.update(torch.ones(2, 3, 5, 16), torch.ones(2, 3, 5, 16), layer)
+    assert cache.layers[0].get_seq_length() == 75
+    cache.notify_drafted(3)
+    assert cache.residual_ready()
+    cache.set_tier("full")
+    s = encode_layers(data[:1], Q())[0][0]
+    assert torch.equal(cache.layers[0].keys[:, :, :70], decode(s, "full"))
+    assert not torch.equal(k_anchor, cache.layers[0].keys[:, :, :70])
+    assert torch.equal(cache.layers[0].keys[:, :, 70:], torch.ones(2, 3, 5, 16))  # tail kept in place
+    cache.crop(-5)
+    assert cache.layers[0].get_seq_length() == 70
+    with pytest.raises(ValueError, match="prompt"):
+        cache.crop(-1)
+
+
+def test_batch_select_and_reorder():
+    cache = LynxCache(2, 70)
+    InProcessLoader(kv(), Q(), None).attach(cache)
+    cache.set_tier("full")
+    full = cache.layers[1].values.clone()
+    cache.reorder_cache(torch.tensor([1, 0]))
+    assert torch.equal(cache.layers[1].values, full.flip(0))
+    cache.batch_select_indices(torch.tensor([0]))
+    assert cache.layers[1].values.shape[0] == 1
+    cache.set_tier("anchor")  # codes were selected too
+    assert cache.layers[1].values.shape[0] == 1
+
+
+def test_segments_are_checked():
+    data = encode_layers(kv(L=1), Q())
+    cache = LynxCache(1, 70)
+    sk, sv = data[0]
+    with pytest.raises(ValueError, match="before its anchor"):
+        cache.put_residual(0, "key", 0, sk.residual)
+    cache.put_anchor(0, "key", 0, anchor_only(sk))
+    with pytest.raises(ValueError, match="duplicate"):
+        cache.put_anchor(0, "key", 0, anchor_only(sk))
+    with pytest.raises(ValueError, match="outside"):
+        cache.put_anchor(0, "value", 10, anchor_only(sv))
+    with pytest.raises(ValueError, match="residual shape"):
+        cache.put_residual(0, "key", 0, sk.residual[:, :, :3])
+    with pytest.raises(ValueError, match="layer"):
+        cache.put_anchor(5, "key", 0, anchor_only(sk))
+
+
+def test_readiness_from_another_thread_and_failures():
+    data = encode_layers(kv(L=1), Q())
+    cache = LynxCache(1, 70, timeout_s=5)
+
+    def feed():
+        time.sleep(0.2)
+        cache.put_anchor(0, "key", 0, anchor_only(data[0][0]))
+        cache.put_anchor(0, "value", 0, anchor_only(data[0][1]))
+        time.sleep(0.2)
+        cache.fail(ConnectionError("peer vanished mid-residual"))
+
+    threading.Thread(target=feed).start()
+    assert not cache.anchors_ready()  # non-blocking
+    cache.wait_anchors()
+    with pytest.raises(LoaderError, match="peer vanished"):
+        cache.wait_residual()
+    with pytest.raises(LoaderError):
+        cache.residual_ready()
+
+
+def test_wait_times_out_with_a_clear_error():
+    cache = LynxCache(1, 8, timeout_s=0.3)
+    t = time.monotonic()
+    with pytest.raises(LoaderError, match="timed out"):
+        cache.wait_anchors()
+    assert time.monotonic() - t < 3
+
+
+def test_bandwidth_schedule_sends_anchor_first():
+    cache = LynxCache(2, 70)
+    InProcessLoader(kv(), Q(), bandwidth_bps=2e6).attach(cache)
+    cache.wait_anchors(timeout=10)
+    cache.wait_residual(timeout=10)
+    kinds = [e[1] for e in cache.events]
+    assert kinds == ["anchor"] * 4 + ["residual"] * 4

@@ -1,0 +1,161 @@
+"""Lossless speculative generation inside model.generate, on the real default model (greedy, token for token) and
+on a tiny random MHA model (sampling, statistically)."""
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+import lynx_hf
+from lynx_hf import LynxCache, LynxQuantConfig as Q
+from lynx_hf.loader import InProcessLoader, prefill
+from lynx_hf.quant import decode, encode
+
+N_NEW = 24
+
+
+def prompts(tok, shakespeare_ids):
+    """20 prompts, 256–2048 tokens: 10 many-shot MMLU-Pro, 10 Shakespeare."""
+    import json
+
+    from lynx_hf.eval import data
+
+    qs = [json.loads(l) for l in open(data.mmlu_pro())][:400]
+    out = []
+    for i, n in enumerate((256, 400, 600, 800, 1000, 1200, 1400, 1600, 1800, 2048)):
+        text = "".join(f"Question: {q['question']}\nAnswer: ({q['answer']})\n\n" for q in qs[i * 40:(i + 1) * 40])
+        ids = tok(text, return_tensors="pt").input_ids
+        ids = ids if ids.shape[1] >= n else torch.cat([ids] * (n // ids.shape[1] + 1), 1)
+        out.append(ids[:, :n])
+        out.append(shakespeare_ids[:, 400 * i: 400 * i + n])
+    return out
+
+
+@torch.no_grad()
+def full_tier_greedy(model, kv, first, n, cfg):
+    c = DynamicCache(config=model.config)
+    for i, (k, v) in enumerate(kv):
+        c.update(decode(encode(k, cfg, "key"), "full"), decode(encode(v, cfg, "value"), "full"), i)
+    toks, nxt = [first], first
+    for _ in range(n - 1):
+        nxt = model(input_ids=nxt, cache=c, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        toks.append(nxt)
+    return torch.cat(toks, 1)[0].tolist()
+
+
+def lynx_generate(model, ids, kv, first, cfg, after, **kw):
+    cache = LynxCache(len(kv), ids.shape[1], cfg, dtype=kv[0][0].dtype)
+    InProcessLoader(kv, cfg, residual_after_tokens=after).attach(cache)
+    out = model.generate(torch.cat([ids, first], -1), cache=cache, custom_generate=lynx_hf.speculative_generate,
+                         max_new_tokens=N_NEW - 1, **kw)
+    return out[0, ids.shape[1]:].tolist(), cache.stats
+
+
+def test_greedy_is_lossless_on_20_prompts(model_and_tok, shakespeare_ids):
+    model, tok = model_and_tok
+    cfg = Q()
+    drafted = accepted = 0
+    for ids in prompts(tok, shakespeare_ids):
+        kv, first = prefill(model, ids)
+        ref = full_tier_greedy(model, kv, first, N_NEW, cfg)
+        for after in (0, 1, 5, 31):
+            got, st = lynx_generate(model, ids, kv, first, cfg, after, do_sample=False)
+            assert got == ref[:len(got)] and (len(got) == N_NEW or got[-1] == tok.eos_token_id), (ids.shape, after)
+            assert st["drafted"] == (0 if after == 0 else min(after, N_NEW - 1))
+            drafted, accepted = drafted + st["drafted"], accepted + st["accepted"]
+    assert drafted > 0 and 0 < accepted <= drafted
+
+
+def test_from_prefill_api_and_identity_codec_equals_dynamic_cache(model_and_tok, shakespeare_ids):
+    model, tok = model_and_tok
+    ids = shakespeare_ids[:, :300]
+    plain = model.generate(ids, max_new_tokens=12, do_sample=False)
+    cache, first = LynxCache.from_prefill(model, ids, quant_config=Q(method="identity"), residual_after_tokens=4)
+    assert first.shape == (1, 1)
+    out = model.generate(torch.cat([ids, first], -1), cache=cache, custom_generate=lynx_hf.speculative_generate,
+                         max_new_tokens=11, do_sample=False)
+    assert out.tolist() == plain.tolist()
+    assert cache.stats["drafted"] == 4 and cache.stats["accepted"] == 4  # identical tiers accept everything
+
+
+def test_streamers_see_verified_and_provisional_tokens(model_and_tok, shakespeare_ids):
+    model, tok = model_and_tok
+    ids = shakespeare_ids[:, :256]
+    s = lynx_hf.SpeculativeStreamer()
+    cache, first = LynxCache.from_prefill(model, ids, residual_after_tokens=5)
+    out = model.generate(torch.cat([ids, first], -1), cache=cache, custom_generate=lynx_hf.speculative_generate,
+                         max_new_tokens=10, do_sample=False, streamer=s)
+    assert s.final == out[0, ids.shape[1] + 1:].tolist()
+    kinds = [e[0] for e in s.events]
+    assert kinds.count("provisional") == 5 and "retract" in kinds and kinds[-1] == "end"
+
+
+def test_batch_with_left_padding(model_and_tok, shakespeare_ids):
+    model, tok = model_and_tok
+    a, b = shakespeare_ids[:, :200], shakespeare_ids[:, 500:640]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    ids = torch.full((2, 200), pad)
+    ids[0], ids[1, 60:] = a[0], b[0]
+    mask = torch.ones(2, 200, dtype=torch.long)
+    mask[1, :60] = 0
+    cache, first = LynxCache.from_prefill(model, ids, attention_mask=mask, residual_after_tokens=3)
+    out = model.generate(torch.cat([ids, first], -1), attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], -1),
+                         cache=cache, custom_generate=lynx_hf.speculative_generate, max_new_tokens=8, do_sample=False)
+    for row, single in ((0, a), (1, b)):
+        c1, f1 = LynxCache.from_prefill(model, single, residual_after_tokens=0)
+        o1 = model.generate(torch.cat([single, f1], -1), cache=c1, custom_generate=lynx_hf.speculative_generate,
+                            max_new_tokens=8, do_sample=False)
+        assert out[row, 200:].tolist() == o1[0, single.shape[1]:].tolist()
+
+
+def test_bad_calls_are_refused(model_and_tok, shakespeare_ids):
+    model, _ = model_and_tok
+    ids = shakespeare_ids[:, :64]
+    cache, first = LynxCache.from_prefill(model, ids)
+    with pytest.raises(ValueError, match="prompt tokens plus"):
+        model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate, max_new_tokens=2)
+    with pytest.raises(ValueError, match="LynxCache"):
+        model.generate(ids, custom_generate=lynx_hf.speculative_generate, max_new_tokens=2)
+
+
+def tiny_mha():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=12, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=4, max_position_embeddings=128, pad_token_id=0, bos_token_id=1,
+                      eos_token_id=None)
+    m = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(8)  # sharper, prompt-dependent distributions
+    return m
+
+
+def test_sampling_follows_the_full_tier_distribution_on_an_mha_model():
+    """Distribution of (token 2, token 3) — both decided by verification — vs plain sampling with full-tier KV.
+    Chi-square homogeneity with a 1e-3 critical value: fails spuriously once in a thousand runs at most."""
+    from scipy.stats import chi2_contingency
+
+    m = tiny_mha()
+    ids = torch.randint(2, 12, (1, 40), generator=torch.Generator().manual_seed(1))
+    cfg = Q(alpha=8.0)  # a coarse anchor: many drafts get rejected, so the rule is exercised
+    kv, first = prefill(m, ids)
+    N = 1500
+    gen = dict(do_sample=True, temperature=1.0, top_k=0, max_new_tokens=3)
+    spec, ref = [], []
+    for i in range(N):
+        cache = LynxCache(2, 40, cfg)
+        InProcessLoader(kv, cfg, residual_after_tokens=2).attach(cache)
+        torch.manual_seed(10_000 + i)
+        out = m.generate(torch.cat([ids, first], -1), cache=cache, custom_generate=lynx_hf.speculative_generate, **gen)
+        spec.append(tuple(out[0, 41:43].tolist()))
+        c = DynamicCache(config=m.config)
+        for li, (k, v) in enumerate(kv):
+            c.update(decode(encode(k, cfg, "key"), "full"), decode(encode(v, cfg, "value"), "full"), li)
+        torch.manual_seed(20_000 + i)
+        out = m.generate(torch.cat([ids, first], -1), cache=c, **gen)
+        ref.append(tuple(out[0, 41:43].tolist()))
+    keys = sorted(set(spec) | set(ref))
+    table = [[spec.count(k) for k in keys], [ref.count(k) for k in keys]]
+    cols = [j for j in range(len(keys)) if table[0][j] + table[1][j] >= 10]  # pool sparse cells
+    rest = [j for j in range(len(keys)) if j not in cols]
+    t = [[row[j] for j in cols] + [sum(row[j] for j in rest)] for row in table]
+    t = [[a for a, b in zip(t[0], t[1]) if a + b > 0], [b for a, b in zip(t[0], t[1]) if a + b > 0]]
+    p = chi2_contingency(t)[1]
+    assert p > 1e-3, (p, t)
