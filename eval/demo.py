@@ -1,74 +1,142 @@
-"""`lynx-hf demo` (in-process edition): one prefill, then each method's KV crosses a simulated link of fixed
-bandwidth (a loader thread that really waits bytes/bandwidth, anchor stream first) while the decoder waits,
-drafts (Lynx) and verifies. Prints a table like the paper's and one JSON line. The two-process TCP version with
-layer-wise overlap of transfer and prefill is not built yet (issue 4); here transfer starts after prefill."""
+"""`lynx-hf demo`: a prefill process and a decode process on loopback, KV over TCP behind the link emulator.
+
+This process is the decode side; it starts `lynx-hf serve-prefill` as a child process, then sends the same prompt
+with BF16, INT8, INT4 (KIVI-4) and Lynx, and a Lynx run with drafting off (the full-tier reference). TTFT is measured
+from sending the request (its arrival at the prefill process, on loopback) to the first token the decode process
+generates itself (for Lynx, a provisional draft; `ttft_verified_s` the first verified one); TT32T to 32 verified
+tokens. Prints a table, writes JSON + a PNG timeline, and ends with one JSON line."""
 from __future__ import annotations
 
 import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
-import torch
+from tqdm import tqdm
 
 import lynx_hf
-from lynx_hf import LynxCache, LynxQuantConfig
-from lynx_hf.loader import InProcessLoader, prefill
+from lynx_hf import LynxQuantConfig
+from lynx_hf.transfer.decode import DecodeClient
 
 METHODS = {"BF16": LynxQuantConfig(method="bf16"), "INT8": LynxQuantConfig(method="int8"),
            "INT4 (KIVI-4)": LynxQuantConfig(method="kivi4"), "Lynx": LynxQuantConfig()}
 
 
-def default_prompt(tok, n_tokens: int) -> torch.Tensor:
-    """Text every Python installation has: the standard library's own source files."""
+def default_prompt_text() -> str:
+    """Text every Python installation has: the standard library's own source."""
     import inspect
     import json as _json
     import textwrap
 
-    text = "".join(inspect.getsource(m) for m in (textwrap, _json.decoder, _json.encoder, inspect))
-    return tok(text, return_tensors="pt").input_ids[:, :n_tokens]
+    return "".join(inspect.getsource(m) for m in (textwrap, _json.decoder, _json.encoder, inspect))
 
 
-def run(prompt_file=None, tokens=1024, bandwidth_bps=50e6, new_tokens=32, as_json=False):
-    model, tok = lynx_hf.load_default_model()
-    if prompt_file:
-        ids = tok(open(prompt_file, encoding="utf-8", errors="replace").read(), return_tensors="pt").input_ids[:, :tokens]
-    else:
-        ids = default_prompt(tok, tokens)
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(port: int, bandwidth_bps: float, secret: str, model: str | None):
+    cmd = [sys.executable, "-m", "lynx_hf.cli", "serve-prefill", "--listen", f"127.0.0.1:{port}",
+           "--bandwidth-mbps", str(bandwidth_bps / 1e6)] + (["--model", model] if model else [])
+    env = dict(os.environ, LYNX_SECRET=secret)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    t = time.time()
+    while time.time() - t < 300:
+        if proc.poll() is not None:
+            raise RuntimeError(f"prefill server exited: {proc.stderr.read()[-2000:]}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("prefill server did not start within 300 s")
+
+
+def _row(r: dict, n_tokens: int = 32) -> dict:
+    t0, tl = r["t0"], r["timeline"]
+    gen = [t - t0 for t, k in tl if k in ("draft", "verified")]
+    ver = [t - t0 for t, k in tl if k == "verified"]
+    return {"ttft_s": gen[0], "ttft_verified_s": ver[0], "tt32t_s": ver[min(n_tokens, len(ver)) - 1],
+            "bytes": r["bytes"], "drafted": r["stats"]["drafted"], "accepted": r["stats"]["accepted"]}
+
+
+def plot_timeline(runs: dict, path: Path, bandwidth_bps: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 2.1 * len(runs)), sharex=True)
+    for ax, (name, r) in zip(axes, runs.items()):
+        t0 = r["t0"]
+        for t, what, layer, kind in r["events"]:
+            ax.plot([t - t0], [layer], "|", color="tab:blue" if what == "anchor" else "tab:orange", ms=6)
+        ymax = max((e[2] for e in r["events"]), default=0) + 1
+        for t, k in r["timeline"]:
+            c = {"draft": "tab:gray", "verified": "tab:green", "verify_start": "tab:red"}[k]
+            ax.axvline(t - t0, ymin=0.9, ymax=1.0, color=c, lw=1)
+        ax.set_ylabel(f"{name}\nlayer")
+        ax.set_ylim(-1, ymax + 2)
+    axes[-1].set_xlabel(f"seconds since request (link {bandwidth_bps / 1e6:.0f} Mbit/s); ticks: anchor (blue), "
+                        "residual (orange) arrivals; top: draft (grey), verify (red), verified (green) tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_json=False, out_dir="runs",
+        model_name=None):
     say = (lambda *a: None) if as_json else print
-    t = time.perf_counter()
-    kv, first = prefill(model, ids)
-    prefill_s = time.perf_counter() - t
-    say(f"prompt {ids.shape[1]} tokens; prefill {prefill_s:.2f} s; link {bandwidth_bps / 1e6:.0f} Mbit/s")
-    rows, full_ids, lynx_ids = {}, None, None
-    for name, cfg in METHODS.items():
-        cache = LynxCache(len(kv), ids.shape[1], cfg, dtype=kv[0][0].dtype)
-        loader = InProcessLoader(kv, cfg, bandwidth_bps=bandwidth_bps / 8)
-        nbytes = sum(s.nbytes("full") for pair in loader.splits for s in pair)
-        t0 = time.perf_counter()
-        loader.attach(cache)
-        out = model.generate(torch.cat([ids, first], -1), cache=cache, custom_generate=lynx_hf.speculative_generate,
-                             max_new_tokens=new_tokens, do_sample=False)
-        st = cache.stats
-        gen = out[0, ids.shape[1]:].tolist()
-        ttft = st["ttft_draft_s"] if st["ttft_draft_s"] is not None else st["ttft_verified_s"]
-        rows[name] = {"ttft_s": prefill_s + ttft, "ttft_verified_s": prefill_s + st["ttft_verified_s"],
-                      "tt32t_s": prefill_s + time.perf_counter() - t0, "bytes": nbytes,
-                      "drafted": st["drafted"], "accepted": st["accepted"]}
-        if name == "Lynx":
-            lynx_ids = gen
-    # full-tier reference for Lynx: the same cache with the residual at once (plain full-tier decoding)
-    cache, _ = LynxCache(len(kv), ids.shape[1], METHODS["Lynx"], dtype=kv[0][0].dtype), None
-    InProcessLoader(kv, METHODS["Lynx"], residual_after_tokens=0).attach(cache)
-    full_ids = model.generate(torch.cat([ids, first], -1), cache=cache, custom_generate=lynx_hf.speculative_generate,
-                              max_new_tokens=new_tokens, do_sample=False)[0, ids.shape[1]:].tolist()
-    say(f"{'method':15s} {'TTFT s':>8s} {'TTFT verified':>14s} {'TT32T s':>8s} {'MB on wire':>11s} {'drafted/accepted':>17s}")
+    model, tok = lynx_hf.load_default_model(model_name)
+    text = open(prompt_file, encoding="utf-8", errors="replace").read() if prompt_file else default_prompt_text()
+    ids = tok(text).input_ids[:tokens]
+    secret, port = secrets.token_hex(16), _free_port()
+    say(f"starting the prefill process on 127.0.0.1:{port} (link emulator {bandwidth_bps / 1e6:.1f} Mbit/s) ...")
+    proc = _start_server(port, bandwidth_bps, secret, model_name)
+    runs = {}
+    try:
+        cli = DecodeClient(model, "127.0.0.1", port, secret=secret, timeout_s=120)
+        cli.generate(ids[:64], LynxQuantConfig(), max_new_tokens=2)  # warm-up of both processes
+        plan = [(n, c, True) for n, c in METHODS.items()] + [("Lynx (no drafts: full-tier reference)", METHODS["Lynx"], False)]
+        for name, cfg, spec in tqdm(plan, desc="methods", disable=as_json):
+            runs[name] = cli.generate(ids, cfg, max_new_tokens=new_tokens, speculative=spec)
+        cli.close()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    rows = {n: _row(r, new_tokens) for n, r in runs.items()}
+    ref = "Lynx (no drafts: full-tier reference)"
+    same = runs["Lynx"]["tokens"] == runs[ref]["tokens"]
+    say(f"\nprompt {len(ids)} tokens; prefill {runs['Lynx']['prefill_s']:.2f} s (overlapped with sending); "
+        f"link {bandwidth_bps / 1e6:.1f} Mbit/s")
+    say(f"{'method':40s} {'TTFT s':>7s} {'verified':>9s} {'TT32T s':>8s} {'MB':>7s} {'drafted/accepted':>17s}")
     for n, r in rows.items():
-        say(f"{n:15s} {r['ttft_s']:8.2f} {r['ttft_verified_s']:14.2f} {r['tt32t_s']:8.2f} {r['bytes'] / 1e6:11.2f} "
+        say(f"{n:40s} {r['ttft_s']:7.2f} {r['ttft_verified_s']:9.2f} {r['tt32t_s']:8.2f} {r['bytes'] / 1e6:7.2f} "
             f"{r['drafted']:>8d}/{r['accepted']:<8d}")
-    same = lynx_ids == full_ids
-    say(f"Lynx output identical to full-tier decoding: {same}")
-    say("generated:", repr(tok.decode(lynx_ids)))
-    res = {"methods": {n: {k: r[k] for k in ("ttft_s", "ttft_verified_s", "tt32t_s", "bytes")} for n, r in rows.items()},
+    say(f"TTFT Lynx/INT4 {rows['Lynx']['ttft_s'] / rows['INT4 (KIVI-4)']['ttft_s']:.2f}, "
+        f"Lynx/INT8 {rows['Lynx']['ttft_s'] / rows['INT8']['ttft_s']:.2f}; Lynx identical to full tier: {same}")
+    say("Lynx generated:", repr(tok.decode(runs["Lynx"]["tokens"])))
+    res = {"methods": {n: {k: rows[n][k] for k in ("ttft_s", "ttft_verified_s", "tt32t_s", "bytes")}
+                       for n in METHODS},
            "lynx": {"drafted": rows["Lynx"]["drafted"], "accepted": rows["Lynx"]["accepted"], "identical_to_full": same},
-           "bandwidth_bps": bandwidth_bps, "prefill_s": prefill_s, "mode": "in-process simulated link"}
+           "bandwidth_bps": bandwidth_bps, "prompt_tokens": len(ids), "prefill_s": runs["Lynx"]["prefill_s"]}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "demo.json").write_text(json.dumps({**res, "rows": rows}, indent=2))
+    try:
+        plot_timeline({n: runs[n] for n in ("INT8", "INT4 (KIVI-4)", "Lynx")}, out / "demo_timeline.png", bandwidth_bps)
+        say(f"wrote {out / 'demo.json'} and {out / 'demo_timeline.png'}")
+    except ImportError:
+        say(f"wrote {out / 'demo.json'} (install matplotlib for the timeline PNG)")
     print(json.dumps(res))
     return res

@@ -16,6 +16,6 @@ cache, first_token = LynxCache.from_prefill(model, input_ids, quant_config=LynxQ
 streamer = lynx_hf.SpeculativeStreamer(tok)  # verified text plain, drafts dimmed until verified
 out = model.generate(torch.cat([input_ids, first_token], -1), cache=cache,
                      custom_generate=lynx_hf.speculative_generate, max_new_tokens=48, do_sample=False,
-                     streamer=streamer)
+                     lynx_streamer=streamer)  # transformers 5.x drops `streamer=` for custom_generate callables
 print(tok.decode(out[0, input_ids.shape[1]:], skip_special_tokens=True))
 print({k: cache.stats[k] for k in ("drafted", "accepted", "ttft_draft_s", "ttft_verified_s", "verify_s")})

@@ -165,7 +165,8 @@ class LynxCache(Cache):
         self._error: BaseException | None = None
         self.loader = None
         self.stats: dict = {}
-        self.events: list = []  # (time, what, layer, stream) arrival log, for timelines
+        self.events: list = []    # (perf_counter, "anchor" | "residual", layer, kind): arrivals
+        self.timeline: list = []  # (perf_counter, "draft" | "verified" | "verify_start"): decode-side tokens
         self.reset_stats()
 
     def reset_stats(self) -> None:

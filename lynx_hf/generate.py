@@ -57,6 +57,7 @@ class _Run:
         if self.has_eos and self.pad is not None:
             tok = torch.where(self.unfinished, tok, self.pad.to(tok.device))
         self.ids = torch.cat([self.ids, tok[:, None]], dim=-1)
+        self.cache.timeline.append((time.perf_counter(), "verified"))
         if self.cache.stats["ttft_verified_s"] is None:
             self.cache.stats["ttft_verified_s"] = time.perf_counter() - self.t0
         if self.streamer is not None:
@@ -66,7 +67,13 @@ class _Run:
 
 
 def speculative_generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                         synced_gpus: bool = False, streamer=None, **model_kwargs):
+                         synced_gpus: bool = False, streamer=None, lynx_streamer=None, **model_kwargs):
+    """`custom_generate` entry point. Streaming: transformers 5.x forwards only a callable's *extra* parameters, so
+    `generate(streamer=...)` sees the prompt and nothing else; pass the streamer as `lynx_streamer=` instead (any
+    Transformers streamer; a SpeculativeStreamer also gets the provisional drafts)."""
+    if lynx_streamer is not None:
+        streamer = lynx_streamer
+        streamer.put(input_ids.cpu())
     cache = model_kwargs.get("cache")
     if not isinstance(cache, LynxCache):
         raise ValueError("speculative_generate needs cache=LynxCache(...) (e.g. from LynxCache.from_prefill)")
@@ -83,6 +90,8 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
     cache.wait_anchors()
     cache.stats["anchors_at_s"] = time.perf_counter() - run.t0
     drafting = spec.draft_while_waiting and spec.max_draft_tokens > 0 and not cache.residual_ready()
+    if not drafting:
+        cache.wait_residual()
     cache.set_tier("anchor" if drafting else "full")
     if run.sc(run.ids, None).all():
         return _finish(run, generation_config)
@@ -98,6 +107,7 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
         tok, probs = run.pick(scores)
         drafts.append(tok)
         qs.append(probs)
+        cache.timeline.append((time.perf_counter(), "draft"))
         if cache.stats["ttft_draft_s"] is None:
             cache.stats["ttft_draft_s"] = time.perf_counter() - run.t0
         if provisional:
@@ -125,6 +135,7 @@ def _verify(run: _Run, drafts, qs, provisional: bool) -> bool:
     Returns True when generation is over."""
     cache, P, n = run.cache, run.cache.prompt_len, len(drafts)
     t = time.perf_counter()
+    cache.timeline.append((t, "verify_start"))
     cache.set_tier("full")
     cache.crop_to(P)  # the draft-phase tail was computed against the anchor tier
     seq = torch.cat([run.ids[:, P:], *[d[:, None] for d in drafts]], dim=-1) if n else run.ids[:, P:]

@@ -39,6 +39,8 @@ def test_tables_monotone_and_idempotent(method):
     u = full[codes]
     back = L.codes_from_u(u, thr, method == "paper").long()
     reach = (u.abs() <= 1.0 + 1e-6)
+    if method == "paper":
+        reach[128] = False  # "-0" re-encodes as "+0": the sign-magnitude code wastes a level
     assert torch.equal(back[reach], codes[reach])
 
 

@@ -1,0 +1,105 @@
+"""KV chunks on the wire: a SplitKV segment (anchor stream: codes + metadata) or a residual segment (codes only)
+as a self-describing binary tensor table. Shapes are checked against what the negotiated codec produces for the
+declared segment, so a peer cannot make the decoder read out of bounds."""
+from __future__ import annotations
+
+import functools
+import struct
+
+import torch
+
+from ..config import LynxQuantConfig
+from ..quant import SplitKV, encode
+from .wire import WireError
+
+SUB = struct.Struct("<HBBII")  # layer, kind (0 key, 1 value), axis (0 channel, 1 token, 2 none), start, count
+TENS = struct.Struct("<BB")    # dtype code, ndim
+DTYPES = [torch.uint8, torch.float16, torch.bfloat16, torch.float32]
+AXES = ["channel", "token", ""]
+KINDS = ["key", "value"]
+MAX_TENSORS, MAX_NDIM, MAX_NAME = 8, 6, 32
+
+
+def pack_chunk(layer: int, kind: str, start: int, split: SplitKV, residual: bool) -> bytes:
+    tensors = {"codes": split.residual} if residual else {"codes": split.anchor, **split.meta}
+    out = [SUB.pack(layer, KINDS.index(kind), AXES.index(split.axis), start, split.shape[2]), bytes([len(tensors)])]
+    for name, t in tensors.items():
+        nb = name.encode()
+        t = t.contiguous()
+        out += [bytes([len(nb)]), nb, TENS.pack(DTYPES.index(t.dtype), t.dim()), struct.pack(f"<{t.dim()}I", *t.shape),
+                t.view(torch.uint8).numpy().tobytes() if t.numel() else b""]
+    return b"".join(out)
+
+
+def unpack_chunk(payload: bytes):
+    """→ (layer, kind, axis, start, count, {name: tensor}); raises WireError on anything malformed."""
+    mv = memoryview(payload)
+    if len(mv) < SUB.size + 1:
+        raise WireError("chunk payload too short")
+    layer, kind, axis, start, count = SUB.unpack_from(mv, 0)
+    if kind > 1 or axis > 2:
+        raise WireError(f"bad chunk kind {kind} or axis {axis}")
+    pos = SUB.size
+    n = mv[pos]
+    pos += 1
+    if n > MAX_TENSORS:
+        raise WireError(f"{n} tensors in a chunk (at most {MAX_TENSORS})")
+    tensors = {}
+    for _ in range(n):
+        if pos >= len(mv):
+            raise WireError("chunk truncated in the tensor table")
+        ln = mv[pos]
+        pos += 1
+        if ln > MAX_NAME or pos + ln + TENS.size > len(mv):
+            raise WireError("bad tensor name")
+        name = bytes(mv[pos:pos + ln]).decode("ascii", errors="strict") if ln else ""
+        pos += ln
+        code, ndim = TENS.unpack_from(mv, pos)
+        pos += TENS.size
+        if code >= len(DTYPES) or ndim > MAX_NDIM or pos + 4 * ndim > len(mv):
+            raise WireError(f"bad dtype code {code} or rank {ndim} for tensor {name!r}")
+        shape = struct.unpack_from(f"<{ndim}I", mv, pos)
+        pos += 4 * ndim
+        dt = DTYPES[code]
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * torch.empty(0, dtype=dt).element_size()
+        if pos + nbytes > len(mv):  # bounded by the payload actually received, before allocating
+            raise WireError(f"tensor {name!r} declares {nbytes} bytes, only {len(mv) - pos} left")
+        raw = torch.frombuffer(bytearray(mv[pos:pos + nbytes]), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+        tensors[name] = raw.view(dt).reshape(shape)
+        pos += nbytes
+    if pos != len(mv):
+        raise WireError(f"{len(mv) - pos} trailing bytes in chunk")
+    return layer, KINDS[kind], AXES[axis], start, count, tensors
+
+
+@functools.lru_cache(maxsize=256)
+def _expected(config: LynxQuantConfig, kind: str, axis: str, shape: tuple, dtype: torch.dtype):
+    """Shapes/dtypes the codec produces for this segment: (anchor codes, residual codes or None, {meta})."""
+    if config.is_split and axis in ("channel", "token"):
+        config = LynxQuantConfig(**{**config.to_dict(), ("key_axis" if kind == "key" else "value_axis"): axis})
+    s = encode(torch.zeros(shape, dtype=dtype), config, kind, reference=True)
+    sig = lambda t: (tuple(t.shape), t.dtype)
+    return sig(s.anchor), None if s.residual is None else sig(s.residual), {k: sig(v) for k, v in s.meta.items()}, s.axis
+
+
+def to_split(tensors, config: LynxQuantConfig, kind: str, axis: str, shape: tuple, dtype: torch.dtype) -> SplitKV:
+    """An anchor chunk's tensors → SplitKV (residual None), after checking every shape and dtype."""
+    anc, _, meta, want_axis = _expected(config, kind, axis, shape, dtype)
+    if config.is_split and axis != want_axis:
+        raise WireError(f"chunk axis {axis!r} is not valid for method {config.method!r}")
+    got = {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}
+    if got.get("codes") != anc or {k: v for k, v in got.items() if k != "codes"} != meta:
+        raise WireError(f"anchor chunk tensors {got} do not match the codec's {anc}, {meta}")
+    return SplitKV(config, kind, shape, dtype, tensors["codes"], None,
+                   {k: v for k, v in tensors.items() if k != "codes"}, axis)
+
+
+def check_residual(tensors, config, kind, axis, shape, dtype) -> torch.Tensor:
+    _, res, _, _ = _expected(config, kind, axis, shape, dtype)
+    got = {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}
+    if res is None or got != {"codes": res}:
+        raise WireError(f"residual chunk tensors {got} do not match the codec's {res}")
+    return tensors["codes"]

@@ -1,0 +1,138 @@
+"""Framed, versioned, self-describing messages (docs/wire-format.md). Nothing is ever unpickled: control payloads
+are JSON objects, KV chunks a binary tensor table; every length is bounded before anything is allocated, and a
+CRC32 over header and payload catches corruption. `read_frame` raises only `WireError` (or EOFError-free
+`WireError("peer closed ...")`), never hangs on a bounded stream."""
+from __future__ import annotations
+
+import enum
+import json
+import struct
+import zlib
+from dataclasses import dataclass
+
+MAGIC = b"LYNX"
+VERSION = 1
+HEADER = struct.Struct("<4sBBBBIII I")  # magic, version, type, stream, flags, request_id, seq, length, crc32
+MAX_PAYLOAD = 64 << 20   # one frame's payload
+MAX_JSON = 4 << 20       # a control payload (prompt ids included)
+
+
+class WireError(ValueError):
+    """A frame is malformed, truncated, corrupted, out of order, or the peer broke the protocol."""
+
+
+class FrameType(enum.IntEnum):
+    HELLO = 1     # JSON: protocol version, model fingerprint, nonce, HMAC (handshake)
+    OK = 2        # JSON: handshake accepted (+ server's HMAC)
+    REQUEST = 3   # JSON: request_id, input_ids, quant config
+    PROMPT = 4    # JSON: KV handshake — layers, batch, kv heads, head dim, dtype, prompt length, codec config
+    CHUNK = 5     # binary: one segment of one layer's K or V, anchor or residual stream
+    FIRST = 6     # JSON: the prefill's first token
+    END = 7       # JSON: end of the request's streams (frame counts per stream)
+    ERROR = 8     # JSON: {"error": message}
+
+
+class Stream(enum.IntEnum):
+    CONTROL = 0
+    ANCHOR = 1
+    RESIDUAL = 2
+
+
+@dataclass
+class Frame:
+    type: FrameType
+    stream: Stream
+    request_id: int
+    seq: int
+    payload: bytes
+
+    def json(self) -> dict:
+        if len(self.payload) > MAX_JSON:
+            raise WireError(f"control payload of {len(self.payload)} bytes exceeds {MAX_JSON}")
+        try:
+            obj = json.loads(self.payload.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise WireError(f"{self.type.name} payload is not JSON: {e}") from None
+        if not isinstance(obj, dict):
+            raise WireError(f"{self.type.name} payload must be a JSON object")
+        return obj
+
+
+def encode_frame(ftype: FrameType, stream: Stream, request_id: int, seq: int, payload: bytes) -> bytes:
+    if len(payload) > MAX_PAYLOAD:
+        raise WireError(f"payload of {len(payload)} bytes exceeds MAX_PAYLOAD {MAX_PAYLOAD}")
+    head = HEADER.pack(MAGIC, VERSION, int(ftype), int(stream), 0, request_id & 0xFFFFFFFF, seq, len(payload), 0)
+    crc = zlib.crc32(payload, zlib.crc32(head))
+    return head[:-4] + struct.pack("<I", crc) + payload
+
+
+def json_frame(ftype: FrameType, request_id: int, seq: int, obj: dict) -> bytes:
+    return encode_frame(ftype, Stream.CONTROL, request_id, seq, json.dumps(obj, separators=(",", ":")).encode())
+
+
+def parse_header(head: bytes) -> tuple[FrameType, Stream, int, int, int, int]:
+    if len(head) != HEADER.size:
+        raise WireError(f"truncated header: {len(head)} of {HEADER.size} bytes")
+    magic, ver, ftype, stream, flags, rid, seq, length, crc = HEADER.unpack(head)
+    if magic != MAGIC:
+        raise WireError(f"bad magic {magic!r}: not a Lynx peer")
+    if ver != VERSION:
+        raise WireError(f"protocol version {ver} is not supported (this side speaks {VERSION})")
+    try:
+        ftype, stream = FrameType(ftype), Stream(stream)
+    except ValueError:
+        raise WireError(f"unknown frame type {ftype} or stream {stream}") from None
+    if flags != 0:
+        raise WireError(f"unknown flags {flags:#x}")
+    if length > MAX_PAYLOAD:
+        raise WireError(f"declared payload of {length} bytes exceeds MAX_PAYLOAD {MAX_PAYLOAD}")
+    return ftype, stream, rid, seq, length, crc
+
+
+def check_crc(head: bytes, payload: bytes, crc: int) -> None:
+    zeroed = head[:-4] + b"\0\0\0\0"
+    if zlib.crc32(payload, zlib.crc32(zeroed)) != crc:
+        raise WireError("checksum mismatch: frame corrupted")
+
+
+def read_frame(read_exact) -> Frame:
+    """Read one frame with `read_exact(n) -> bytes` (which returns fewer bytes only at end of stream)."""
+    head = read_exact(HEADER.size)
+    if len(head) == 0:
+        raise WireError("peer closed the connection")
+    ftype, stream, rid, seq, length, crc = parse_header(head)
+    payload = read_exact(length) if length else b""
+    if len(payload) != length:
+        raise WireError(f"truncated frame: {len(payload)} of {length} payload bytes, then the peer closed")
+    check_crc(head, payload, crc)
+    return Frame(ftype, stream, rid, seq, payload)
+
+
+def decode_frame(buf: bytes) -> Frame:
+    """One whole frame from a byte string (trailing bytes are an error)."""
+    pos = 0
+
+    def read_exact(n):
+        nonlocal pos
+        chunk = buf[pos:pos + n]
+        pos += len(chunk)
+        return chunk
+
+    f = read_frame(read_exact)
+    if pos != len(buf):
+        raise WireError(f"{len(buf) - pos} trailing bytes after the frame")
+    return f
+
+
+class SequenceChecker:
+    """Per-stream sequence numbers: each stream counts 0, 1, 2, ... — duplicates and reordering are errors."""
+
+    def __init__(self):
+        self.next = {s: 0 for s in Stream}
+
+    def check(self, f: Frame) -> None:
+        want = self.next[f.stream]
+        if f.seq != want:
+            what = "duplicated" if f.seq < want else "out-of-order (frames missing)"
+            raise WireError(f"{what} frame on the {f.stream.name.lower()} stream: seq {f.seq}, expected {want}")
+        self.next[f.stream] = want + 1
