@@ -1,0 +1,198 @@
+"""Prefill and decode over real loopback sockets: lossless output, handshake refusals, a server that survives bad
+clients, and peers that vanish or go silent mid-stream (a clear error, never an unverified token as final)."""
+import os
+import socket
+import time
+
+import pytest
+import torch
+
+import lynx_hf
+from lynx_hf import LoaderError, LynxCache, LynxQuantConfig as Q
+from lynx_hf.transfer import prefill as P
+from lynx_hf.transfer.decode import DecodeClient, NetworkLoader
+from lynx_hf.transfer.session import Channel
+from lynx_hf.transfer.transport import InProcTransport, TcpTransport
+from lynx_hf.transfer.wire import FrameType, Stream, WireError, encode_frame
+
+
+@pytest.fixture(scope="module")
+def server(model_and_tok):
+    model, _ = model_and_tok
+    srv = P.PrefillServer(model, secret="s3cret", bandwidth_bps=200e6).start()
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def prompt(shakespeare_ids):
+    return shakespeare_ids[0, :300].tolist()
+
+
+def test_lossless_over_tcp_and_same_as_in_process(server, model_and_tok, prompt):
+    model, _ = model_and_tok
+    cli = DecodeClient(model, *server.address, secret="s3cret")
+    spec = cli.generate(prompt, Q(), max_new_tokens=12)
+    ref = cli.generate(prompt, Q(), max_new_tokens=12, speculative=False)
+    cli.close()
+    assert spec["tokens"] == ref["tokens"]
+    cache, first = LynxCache.from_prefill(model, torch.tensor([prompt]), residual_after_tokens=0)
+    local = model.generate(torch.cat([torch.tensor([prompt]), first], -1), cache=cache,
+                           custom_generate=lynx_hf.speculative_generate, max_new_tokens=12, do_sample=False)
+    assert spec["tokens"] == local[0, len(prompt):].tolist()
+    kinds = [e[1] for e in spec["events"]]
+    assert kinds.count("anchor") == kinds.count("residual") == 30 * 2 * 2  # 30 layers × K/V × 2 segments
+
+
+def test_anchor_frames_overtake_queued_residual_frames():
+    """While the (emulated) link is busy, every queued anchor frame leaves before any queued residual frame."""
+    from lynx_hf.transfer.transport import PRIO_ANCHOR, PRIO_RESIDUAL, LinkEmulator
+
+    a, b = InProcTransport.pair(LinkEmulator(bandwidth_bps=8 * 20_000))  # 20 kB/s: 50 ms per 1 kB frame
+    fr = lambda s, i: encode_frame(FrameType.CHUNK, s, 1, i, bytes(1000))
+    futs = [a.start_send(fr(Stream.RESIDUAL, i), PRIO_RESIDUAL) for i in range(4)]
+    futs += [a.start_send(fr(Stream.ANCHOR, i), PRIO_ANCHOR) for i in range(4)]
+    for f in futs:
+        a.wait_send(f, 10)
+    order = [b.recv(5).stream for _ in range(8)]
+    # at most one residual frame (already on the wire when the anchors were queued) precedes the anchors
+    assert order in ([Stream.ANCHOR] * 4 + [Stream.RESIDUAL] * 4,
+                     [Stream.RESIDUAL] + [Stream.ANCHOR] * 4 + [Stream.RESIDUAL] * 3)
+
+
+def test_handshake_refuses_wrong_secret_and_other_model(server, model_and_tok, monkeypatch):
+    model, _ = model_and_tok
+    with pytest.raises(WireError, match="authentication"):
+        DecodeClient(model, *server.address, secret="wrong")
+    from lynx_hf.transfer import decode as D
+
+    monkeypatch.setattr(D, "fingerprint", lambda m: "0" * 32)
+    with pytest.raises(WireError, match="model mismatch"):
+        DecodeClient(model, *server.address, secret="s3cret")
+
+
+def test_server_survives_garbage_and_serves_the_next_client(server, model_and_tok, prompt):
+    model, _ = model_and_tok
+    for junk in (b"\x00" * 64, os.urandom(4096), b"GET / HTTP/1.1\r\n\r\n", b"\xff\xff\xff\xff" * 8, b""):
+        s = socket.create_connection(server.address, timeout=5)
+        s.sendall(junk)
+        s.close()
+    # a client that speaks the protocol but sends a bad request
+    cli = DecodeClient(model, *server.address, secret="s3cret")
+    with pytest.raises(WireError):
+        cli.ch.send_json(FrameType.REQUEST, {"input_ids": [10 ** 9]}, 1)
+        cli.ch.recv(10, FrameType.PROMPT)
+    cli.close()
+    cli = DecodeClient(model, *server.address, secret="s3cret")
+    assert len(cli.generate(prompt[:50], Q(), max_new_tokens=3)["tokens"]) == 4
+    cli.close()
+
+
+class _Vanishing(TcpTransport):
+    """Server-side transport that drops the connection after `n` frames of one stream."""
+    stream, n = Stream.ANCHOR, 5
+
+    def _write(self, frame, priority):
+        if frame[6] == self.stream and frame[5] == FrameType.CHUNK:
+            self.count = getattr(self, "count", 0) + 1
+            if self.count > self.n:
+                self.sock.shutdown(socket.SHUT_RDWR)
+                raise ConnectionError("test: peer vanished")
+        super()._write(frame, priority)
+
+
+@pytest.mark.parametrize("stream,n", [(Stream.ANCHOR, 5), (Stream.RESIDUAL, 20)], ids=["mid-anchor", "mid-residual"])
+def test_peer_vanishing_mid_stream_is_a_clear_error(model_and_tok, prompt, monkeypatch, stream, n):
+    model, _ = model_and_tok
+    cls = type("V", (_Vanishing,), {"stream": stream, "n": n})
+    monkeypatch.setattr(P, "TcpTransport", cls)
+    srv = P.PrefillServer(model, secret="x", bandwidth_bps=20e6).start()
+    try:
+        cli = DecodeClient(model, *srv.address, secret="x", timeout_s=10)
+        streamer = lynx_hf.SpeculativeStreamer()
+        t = time.monotonic()
+        with pytest.raises((LoaderError, WireError, ConnectionError)) as e:
+            cli.generate(prompt, Q(), max_new_tokens=30, lynx_streamer=streamer)
+        assert time.monotonic() - t < 30
+        assert "closed" in str(e.value) or "lost" in str(e.value) or "truncated" in str(e.value)
+        assert streamer.final == []  # no unverified token ever became final
+        cli.close()
+    finally:
+        srv.close()
+
+
+def _loader_over_inproc(frames):
+    """Feed hand-made frames to a NetworkLoader; return the cache after the loader stopped."""
+    a, b = InProcTransport.pair()
+    prompt = {"num_layers": 1, "batch": 1, "kv_heads": 3, "head_dim": 64, "dtype": "float32", "prompt_len": 64}
+    cache = LynxCache(1, 64, Q(), timeout_s=5)
+    NetworkLoader(Channel(b), prompt, rid=1, timeout_s=2).attach(cache)
+    for f in frames:
+        a.send(f)
+    return cache
+
+
+def _chunks():
+    from lynx_hf.quant import encode
+    from lynx_hf.transfer.serde import pack_chunk
+
+    s = encode(torch.randn(1, 3, 64, 64), Q(), "key")
+    return (encode_frame(FrameType.CHUNK, Stream.ANCHOR, 1, 0, pack_chunk(0, "key", 0, s, False)),
+            encode_frame(FrameType.CHUNK, Stream.ANCHOR, 1, 1, pack_chunk(0, "value", 0, s, False)),
+            encode_frame(FrameType.CHUNK, Stream.ANCHOR, 1, 0, pack_chunk(0, "value", 0, s, False)))
+
+
+@pytest.mark.parametrize("order,msg", [((0, 0), "duplicated"), ((1,), "out-of-order"), ((0, 2), "duplicated")])
+def test_duplicated_and_reordered_frames_fail_the_cache(order, msg):
+    fr = _chunks()
+    cache = _loader_over_inproc([fr[i] for i in order])
+    with pytest.raises(LoaderError, match=msg):
+        cache.wait_anchors(timeout=5)
+
+
+def test_silent_peer_times_out():
+    cache = _loader_over_inproc([_chunks()[0]])
+    t = time.monotonic()
+    with pytest.raises(LoaderError, match="no frame"):
+        cache.wait_anchors(timeout=10)
+    assert time.monotonic() - t < 8
+
+
+def _dist_worker(rank, port, q):
+    import torch.distributed as dist
+
+    from lynx_hf.transfer.transport import PRIO_ANCHOR, PRIO_RESIDUAL, DistTransport
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    t = DistTransport(peer=1 - rank)
+    if rank == 0:
+        futs = [t.start_send(encode_frame(FrameType.CHUNK, Stream.RESIDUAL, 1, i, b"r" * 100), PRIO_RESIDUAL)
+                for i in range(3)]
+        futs += [t.start_send(encode_frame(FrameType.CHUNK, Stream.ANCHOR, 1, i, b"a" * 10), PRIO_ANCHOR)
+                 for i in range(3)]
+        for f in futs:
+            t.wait_send(f, 30)
+    else:
+        got = [t.recv() for _ in range(6)]
+        q.put([(f.stream.name, f.seq, len(f.payload)) for f in got])
+    t.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_torch_distributed_transport_gloo():
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=_dist_worker, args=(r, port, q)) for r in (0, 1)]
+    for p in ps:
+        p.start()
+    got = q.get(timeout=120)
+    for p in ps:
+        p.join(60)
+    assert sorted(got) == sorted([("RESIDUAL", i, 100) for i in range(3)] + [("ANCHOR", i, 10) for i in range(3)])
+    assert all(p.exitcode == 0 for p in ps)

@@ -1,0 +1,116 @@
+"""Wire format and chunk serde: exact round trips (tolerance 0), and every malformed input → WireError."""
+import struct
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lynx_hf import LynxQuantConfig as Q
+from lynx_hf.quant import encode
+from lynx_hf.transfer.serde import check_residual, pack_chunk, to_split, unpack_chunk
+from lynx_hf.transfer.wire import (HEADER, MAX_PAYLOAD, Frame, FrameType, SequenceChecker, Stream, WireError,
+                                   decode_frame, encode_frame, json_frame)
+
+
+def test_frame_roundtrip_exact():
+    buf = encode_frame(FrameType.CHUNK, Stream.RESIDUAL, 7, 3, b"\x00\x01payload")
+    f = decode_frame(buf)
+    assert (f.type, f.stream, f.request_id, f.seq, f.payload) == (FrameType.CHUNK, Stream.RESIDUAL, 7, 3, b"\x00\x01payload")
+    assert decode_frame(json_frame(FrameType.FIRST, 1, 0, {"token": 5})).json() == {"token": 5}
+
+
+@pytest.mark.parametrize("mutate,msg", [
+    (lambda b: b[:10], "truncated header"),
+    (lambda b: b[:-3], "truncated frame"),
+    (lambda b: b[:-1] + bytes([b[-1] ^ 1]), "checksum"),
+    (lambda b: b"XXXX" + b[4:], "magic"),
+    (lambda b: b[:4] + bytes([9]) + b[5:], "version"),
+    (lambda b: b[:5] + bytes([77]) + b[6:], "unknown frame type"),
+    (lambda b: b[:16] + struct.pack("<I", MAX_PAYLOAD + 1) + b[20:], "exceeds MAX_PAYLOAD"),
+    (lambda b: b + b"x", "trailing"),
+])
+def test_bad_frames(mutate, msg):
+    good = encode_frame(FrameType.CHUNK, Stream.ANCHOR, 1, 0, b"0123456789")
+    with pytest.raises(WireError, match=msg):
+        decode_frame(mutate(good))
+
+
+def test_sequence_checker_catches_duplicates_and_gaps():
+    c = SequenceChecker()
+    f = lambda seq: Frame(FrameType.CHUNK, Stream.ANCHOR, 1, seq, b"")
+    c.check(f(0))
+    with pytest.raises(WireError, match="duplicated"):
+        c.check(f(0))
+    with pytest.raises(WireError, match="out-of-order"):
+        c.check(f(2))
+
+
+def test_json_payload_must_be_an_object():
+    with pytest.raises(WireError, match="JSON"):
+        decode_frame(encode_frame(FrameType.FIRST, Stream.CONTROL, 0, 0, b"\xff\xfe")).json()
+    with pytest.raises(WireError, match="object"):
+        decode_frame(encode_frame(FrameType.FIRST, Stream.CONTROL, 0, 0, b"[1,2]")).json()
+
+
+@pytest.mark.parametrize("cfg", [Q(), Q(key_axis="token"), Q.paper(), Q(method="kivi4"), Q(method="int8"),
+                                 Q(method="bf16"), Q(method="identity")], ids=lambda c: c.method + c.key_axis)
+def test_chunk_serde_roundtrip_exact(cfg):
+    x = torch.randn(1, 3, 100, 64)
+    s = encode(x, cfg, "key")
+    layer, kind, axis, start, count, t = unpack_chunk(pack_chunk(4, "key", 256, s, False))
+    assert (layer, kind, start, count) == (4, "key", 256, 100)
+    back = to_split(t, cfg, kind, axis, (1, 3, count, 64), torch.float32)
+    assert torch.equal(back.anchor, s.anchor) and back.meta.keys() == s.meta.keys()
+    assert all(torch.equal(back.meta[k], s.meta[k]) for k in s.meta)
+    if s.residual is not None:
+        *_, tr = unpack_chunk(pack_chunk(4, "key", 256, s, True))
+        assert torch.equal(check_residual(tr, cfg, "key", axis, (1, 3, 100, 64), torch.float32), s.residual)
+
+
+def test_chunk_with_wrong_shapes_is_refused():
+    s = encode(torch.randn(1, 3, 100, 64), Q(), "key")
+    *_, axis, _, _, t = unpack_chunk(pack_chunk(0, "key", 0, s, False))
+    with pytest.raises(WireError, match="do not match"):
+        to_split(t, Q(), "key", axis, (1, 3, 101, 64), torch.float32)  # a peer lying about the token count
+    with pytest.raises(WireError, match="do not match"):
+        check_residual(t, Q(), "key", axis, (1, 3, 100, 64), torch.float32)  # anchor tensors as a residual
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=300))
+def test_fuzz_random_bytes_only_raise_wire_error(data):
+    try:
+        f = decode_frame(data)
+    except WireError:
+        return
+    assert isinstance(f, Frame)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.integers(0, 10_000), st.integers(0, 255), st.binary(max_size=8))
+def test_fuzz_mutated_frames_and_chunks(pos, byte, extra):
+    s = encode(torch.randn(1, 3, 8, 64), Q(), "key")
+    good = encode_frame(FrameType.CHUNK, Stream.ANCHOR, 1, 0, pack_chunk(0, "key", 0, s, False))
+    bad = bytearray(good)
+    bad[pos % len(bad)] = byte
+    for buf in (bytes(bad), good + extra, good[: pos % len(good)]):
+        try:
+            f = decode_frame(buf)
+            layer, kind, axis, start, count, t = unpack_chunk(f.payload)
+            to_split(t, Q(), kind, axis, (1, 3, count, 64), torch.float32)
+        except WireError:
+            pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=400))
+def test_fuzz_chunk_payloads(data):
+    try:
+        unpack_chunk(data)
+    except WireError:
+        pass
+
+
+def test_header_is_24_bytes():
+    assert HEADER.size == 24
