@@ -22,3 +22,26 @@ def shakespeare() -> Path:
 
 def mmlu_pro() -> Path:
     return data_dir() / "mmlu_pro" / "test.jsonl"
+
+
+LENGTHS = (256, 400, 600, 800, 1000, 1200, 1400, 1600, 1800, 2048)
+
+
+def eval_prompts(tok, shakespeare_ids=None):
+    """20 prompts of 256–2048 tokens from the shared data: 10 many-shot MMLU-Pro, 10 Shakespeare stretches."""
+    import json
+
+    import torch
+
+    if shakespeare_ids is None:
+        shakespeare_ids = tok(shakespeare().read_text()[:8 * 4096 + 1000], return_tensors="pt").input_ids
+    with open(mmlu_pro()) as f:
+        qs = [json.loads(line) for _, line in zip(range(400), f)]
+    out = []
+    for i, n in enumerate(LENGTHS):
+        text = "".join(f"Question: {q['question']}\nAnswer: ({q['answer']})\n\n" for q in qs[i * 40:(i + 1) * 40])
+        ids = tok(text, return_tensors="pt").input_ids
+        ids = ids if ids.shape[1] >= n else torch.cat([ids] * (n // ids.shape[1] + 1), 1)
+        out.append(ids[:, :n])
+        out.append(shakespeare_ids[:, 400 * i: 400 * i + n])
+    return out

@@ -56,8 +56,10 @@ def _encode_kernel(x_ptr, gmin_ptr, gscale_ptr, mu_ptr, rho_ptr, thr_ptr, a_ptr,
     tl.store(r_ptr + out, (r_lo | (r_hi << 4)).to(tl.uint8), mask=mask)
 
 
-def encode_codes_triton(x, gmin, gscale, mu, rho, thr, *, axis: str, page: int, chunk: int, sign_magnitude: bool):
-    """Same contract as lynx_hf.quant.lynx.encode_codes. x: [B, H, S, D] → (anchor, residual) [B, H, S, D/2]."""
+def encode_codes_triton(x, gmin, gscale, mu, rho, thr, *, axis: str, page: int, chunk: int, sign_magnitude: bool,
+                        alpha: float | None = None):
+    """Same contract as lynx_hf.quant.lynx.encode_codes (alpha is accepted and unused: the kernel's 8-step
+    threshold search is cheap on a GPU). x: [B, H, S, D] → (anchor, residual) [B, H, S, D/2]."""
     B, H, S, D = x.shape
     x = x.contiguous()
     n = 128 if sign_magnitude else 256

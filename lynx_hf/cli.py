@@ -23,7 +23,13 @@ def _bench(a):
     from lynx_hf.eval import bench_codec
 
     if a.what == "codec":
-        bench_codec.run(tokens=a.tokens)
+        bench_codec.run(tokens=a.tokens, as_json=a.json)
+
+
+def _acceptance(a):
+    from lynx_hf.eval import acceptance
+
+    acceptance.run(a.drafts, a.json, a.model)
 
 
 def main(argv=None):
@@ -45,6 +51,12 @@ def main(argv=None):
     b.add_argument("--tokens", type=int, default=4096)
     b.add_argument("--json", action="store_true")
     b.set_defaults(fn=_bench)
+
+    c = sub.add_parser("acceptance", help="accepted fraction of anchor-tier drafts per anchor design (20 prompts)")
+    c.add_argument("--drafts", type=int, default=31)
+    c.add_argument("--model")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(fn=_acceptance)
 
     from lynx_hf import demo_cli  # the transfer/demo commands register themselves
 

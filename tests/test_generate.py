@@ -13,20 +13,9 @@ N_NEW = 24
 
 
 def prompts(tok, shakespeare_ids):
-    """20 prompts, 256–2048 tokens: 10 many-shot MMLU-Pro, 10 Shakespeare."""
-    import json
+    from lynx_hf.eval.data import eval_prompts
 
-    from lynx_hf.eval import data
-
-    qs = [json.loads(l) for l in open(data.mmlu_pro())][:400]
-    out = []
-    for i, n in enumerate((256, 400, 600, 800, 1000, 1200, 1400, 1600, 1800, 2048)):
-        text = "".join(f"Question: {q['question']}\nAnswer: ({q['answer']})\n\n" for q in qs[i * 40:(i + 1) * 40])
-        ids = tok(text, return_tensors="pt").input_ids
-        ids = ids if ids.shape[1] >= n else torch.cat([ids] * (n // ids.shape[1] + 1), 1)
-        out.append(ids[:, :n])
-        out.append(shakespeare_ids[:, 400 * i: 400 * i + n])
-    return out
+    return eval_prompts(tok, shakespeare_ids)
 
 
 @torch.no_grad()

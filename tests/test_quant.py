@@ -126,3 +126,22 @@ def test_config_roundtrip():
     assert Q.from_dict(c.to_dict()) == c
     with pytest.raises(ValueError, match="unknown"):
         Q.from_dict({"alpha": 1.0, "bogus": 1})
+
+
+@pytest.mark.parametrize("cfg", [Q(), Q(alpha=0.0), Q(alpha=8.0), Q.paper(), Q.paper(alpha=3.0)],
+                         ids=["lynx", "lynx-a0", "lynx-a8", "paper", "paper-a3"])
+def test_arithmetic_codes_equal_threshold_search(cfg):
+    thr, _, _ = tables(cfg.method, cfg.alpha, cfg.anchor)
+    g = torch.Generator().manual_seed(0)
+    u = torch.cat([torch.rand(200_000, generator=g) * 2.2 - 1.1,  # beyond ±1 too
+                   thr, torch.nextafter(thr, torch.tensor(-2.0)), torch.nextafter(thr, torch.tensor(2.0)),
+                   -thr, torch.tensor([0.0, -0.0, 1.0, -1.0])])
+    sm = cfg.method == "paper"
+    assert torch.equal(L.codes_from_u_fast(u, thr, sm, cfg.alpha), L.codes_from_u(u, thr, sm))
+
+
+def test_fast_encode_equals_reference_encode():
+    x = kv(S=300)
+    for cfg in (Q(), Q.paper()):
+        a, b = quant.encode(x, cfg), quant.encode(x, cfg, reference=True)
+        assert torch.equal(a.anchor, b.anchor) and torch.equal(a.residual, b.residual)

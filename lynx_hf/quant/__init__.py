@@ -2,8 +2,8 @@
 
 x is one layer's keys or values, [B, H_kv, S, D], in bf16 / fp16 / fp32. This package knows nothing about caches,
 models or transport. `encode`/`decode` pick the fastest exact implementation for the tensor's device (Triton on
-CUDA, a fused torch.compile path on CPU when enabled, else the eager reference); `reference=True` forces the
-reference."""
+CUDA, a fused torch.compile path on CPU for large tensors, else eager torch; see quant/dispatch.py);
+`reference=True` forces the reference (eager, threshold-search codes)."""
 from __future__ import annotations
 
 import torch
@@ -47,7 +47,9 @@ def encode(x: torch.Tensor, config: LynxQuantConfig | None = None, kind: str = "
         return baselines.encode_uniform(x, config, kind)
     from .dispatch import fused_encode_op
 
-    return lynx.encode(x, config, kind, impl=None if reference else fused_encode_op(x.device))
+    if reference:
+        return lynx.encode(x, config, kind, fast=False)
+    return lynx.encode(x, config, kind, impl=fused_encode_op(x.device, x.numel()))
 
 
 def decode(split: SplitKV, tier: str = "full", *, reference: bool = False) -> torch.Tensor:
@@ -65,4 +67,5 @@ def decode(split: SplitKV, tier: str = "full", *, reference: bool = False) -> to
         raise ValueError("decode: the full tier needs the residual stream, which this SplitKV lacks")
     from .dispatch import fused_decode_op
 
-    return lynx.decode(split, tier, impl=None if reference else fused_decode_op(split.anchor.device))
+    numel = split.anchor.numel() * 2
+    return lynx.decode(split, tier, impl=None if reference else fused_decode_op(split.anchor.device, numel))

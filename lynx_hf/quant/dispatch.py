@@ -1,18 +1,24 @@
-"""Which implementation of the two hot ops runs where: Triton on CUDA, torch.compile on CPU (opt-in through
-LYNX_COMPILE=1 or `enable_compile()`, since compiling costs seconds once), else None (= the eager reference)."""
+"""Which implementation of the two hot ops runs where: Triton on CUDA; on CPU a fused torch.compile path for
+tensors of at least COMPILE_MIN_NUMEL elements (compiling costs seconds once, so small tensors stay eager), or
+always/never with LYNX_COMPILE=1/0 or `enable_compile(True/False)`. If compilation fails (no C++ compiler, an
+unsupported platform), the eager reference takes over for the rest of the process, with one warning."""
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
+COMPILE_MIN_NUMEL = 1 << 18
 _compiled: dict = {}
-_compile_on = os.environ.get("LYNX_COMPILE", "0") == "1"
+_mode = {"1": True, "0": False}.get(os.environ.get("LYNX_COMPILE", ""), None)  # None = by size
+_broken = False
 
 
-def enable_compile(on: bool = True) -> None:
-    global _compile_on
-    _compile_on = on
+def enable_compile(on: bool | None = True) -> None:
+    """True: always compile on CPU; False: never; None: by tensor size (the default)."""
+    global _mode
+    _mode = on
 
 
 def _compiled_ops():
@@ -24,17 +30,38 @@ def _compiled_ops():
     return _compiled
 
 
-def fused_encode_op(device: torch.device):
+def _guarded(name: str):
+    def op(*args, **kwargs):
+        global _broken
+        from . import lynx
+
+        eager = lynx.encode_codes if name == "enc" else lynx.decode_codes
+        if not _broken:
+            try:
+                return _compiled_ops()[name](*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 — any compiler failure: fall back, once, loudly
+                _broken = True
+                warnings.warn(f"torch.compile of the Lynx codec failed ({type(e).__name__}: {e}); using eager torch")
+        return eager(*args, **kwargs)
+
+    return op
+
+
+def _use_compile(numel: int) -> bool:
+    return not _broken and (_mode if _mode is not None else numel >= COMPILE_MIN_NUMEL)
+
+
+def fused_encode_op(device: torch.device, numel: int = 0):
     if device.type == "cuda":
         from lynx_hf.kernels import encode_codes_triton
 
         return encode_codes_triton
-    return _compiled_ops()["enc"] if _compile_on else None
+    return _guarded("enc") if _use_compile(numel) else None
 
 
-def fused_decode_op(device: torch.device):
+def fused_decode_op(device: torch.device, numel: int = 0):
     if device.type == "cuda":
         from lynx_hf.kernels import decode_codes_triton
 
         return decode_codes_triton
-    return _compiled_ops()["dec"] if _compile_on else None
+    return _guarded("dec") if _use_compile(numel) else None

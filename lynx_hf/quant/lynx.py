@@ -13,6 +13,8 @@ Hierarchy (paper notation), for x: [B, H, S, D]:
 Decoding is x̂ = γ_min + γ_scale·(μ + σ·LUT[code]). Codes depend only on u, computed the same way everywhere."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..config import LynxQuantConfig
@@ -110,11 +112,36 @@ def codes_from_u(u: torch.Tensor, thr: torch.Tensor, sign_magnitude: bool) -> to
     return torch.bucketize(u, thr, right=True).to(torch.uint8)
 
 
-def encode_codes(x, gmin, gscale, mu, rho, thr, *, axis: str, page: int, chunk: int, sign_magnitude: bool):
+def codes_from_u_fast(u: torch.Tensor, thr: torch.Tensor, sign_magnitude: bool, alpha: float) -> torch.Tensor:
+    """The same codes as codes_from_u, without a 255-way search: the code computed arithmetically from the
+    companded value, then moved by at most one cell so that thr[c-1] <= u < thr[c] holds exactly (transcendental
+    rounding can only be off by one cell: cells are >= 1/240 wide, errors ~1e-7)."""
+    thr = thr.to(u.device)
+    v = u.abs() if sign_magnitude else u
+    y = v if alpha == 0 else torch.sign(v) * torch.log1p(alpha * v.abs()) / math.log1p(alpha)
+    n = thr.numel()
+    if sign_magnitude:
+        c = (y * 127).round()
+    else:
+        t15 = (y + 1) * 7.5  # 15·t
+        a = (t15 + 0.5).floor().clamp(0, 15)
+        c = a * 16 + (16 * (t15 - a) + 8.5).floor().clamp(0, 15)
+    c = c.clamp(0, n).long()
+    c = c + ((c < n) & (v >= thr[c.clamp(max=n - 1)])).long()
+    c = c - ((c > 0) & (v < thr[(c - 1).clamp(min=0)])).long()
+    if sign_magnitude:
+        c = c + (u < 0).long() * 128
+    return c.to(torch.uint8)
+
+
+def encode_codes(x, gmin, gscale, mu, rho, thr, *, axis: str, page: int, chunk: int, sign_magnitude: bool,
+                 alpha: float | None = None):
     """Normalise, compand, split and pack (the op the Triton kernel fuses).
-    x: [B, H, S, D] → (anchor, residual): [B, H, S, D/2] uint8 each."""
+    x: [B, H, S, D] → (anchor, residual): [B, H, S, D/2] uint8 each. With alpha given, codes come from the
+    arithmetic path (identical codes, several times faster on CPU); else from the threshold search."""
     u = normalise(x, gmin, gscale, mu, rho, axis=axis, page=page, chunk=chunk)
-    a, r = split_codes(codes_from_u(u, thr, sign_magnitude))
+    c = codes_from_u(u, thr, sign_magnitude) if alpha is None else codes_from_u_fast(u, thr, sign_magnitude, alpha)
+    a, r = split_codes(c)
     return pack4(a), pack4(r)
 
 
@@ -153,8 +180,9 @@ def choose_axis(x: torch.Tensor) -> str:
     return "channel" if float(ratio.mean()) >= AUTO_CHANNEL_RATIO else "token"
 
 
-def encode(x: torch.Tensor, config: LynxQuantConfig, kind: str, impl=None) -> SplitKV:
-    """Lynx / paper encode. `impl` is the fused op to use for encode_codes (same signature); None = reference."""
+def encode(x: torch.Tensor, config: LynxQuantConfig, kind: str, impl=None, fast: bool = True) -> SplitKV:
+    """Lynx / paper encode. `impl` is the fused op to use for encode_codes (same signature); None = this module's.
+    fast=False uses the threshold search (the definition of the code) instead of the arithmetic path."""
     axis = config.axis(kind)
     check_finite_range(x)
     if x.shape[-1] % 2:
@@ -169,8 +197,8 @@ def encode(x: torch.Tensor, config: LynxQuantConfig, kind: str, impl=None) -> Sp
     mu, rho = chunk_stats(xn, axis, config.chunk_size, paper)
     thr, _, _ = tables(config.method, float(config.alpha), config.anchor)
     op = impl or encode_codes
-    anchor, residual = op(x, gmin, gscale, mu, rho, thr, axis=axis, page=config.page_size,
-                          chunk=config.chunk_size, sign_magnitude=config.method == "paper")
+    anchor, residual = op(x, gmin, gscale, mu, rho, thr, axis=axis, page=config.page_size, chunk=config.chunk_size,
+                          sign_magnitude=paper, alpha=None if fast is False else float(config.alpha))
     meta = {"mu": mu, "sigma": rho}
     if paper:
         meta.update(gamma_min=gmin, gamma_scale=gscale)
