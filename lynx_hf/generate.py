@@ -70,7 +70,10 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
                          synced_gpus: bool = False, streamer=None, lynx_streamer=None, **model_kwargs):
     """`custom_generate` entry point. Streaming: transformers 5.x forwards only a callable's *extra* parameters, so
     `generate(streamer=...)` sees the prompt and nothing else; pass the streamer as `lynx_streamer=` instead (any
-    Transformers streamer; a SpeculativeStreamer also gets the provisional drafts)."""
+    Transformers streamer; a SpeculativeStreamer also gets the provisional drafts). For the same reason
+    `stop_strings=`/`tokenizer=` cannot reach generate's criteria builder; pass
+    `stopping_criteria=[StopStringCriteria(tokenizer, stops)]`. All stopping criteria and logits processors apply
+    to drafts and to verified tokens alike."""
     if lynx_streamer is not None:
         streamer = lynx_streamer
         streamer.put(input_ids.cpu())
@@ -114,8 +117,8 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
             streamer.put_provisional(tok.cpu())
         cache.stats["drafted"] += 1
         cache.notify_drafted(len(drafts))
-        if run.has_eos and run.sc(torch.cat([run.ids, *[d[:, None] for d in drafts]], -1), None).all():
-            break  # the draft says stop: verify before anything becomes final
+        if run.sc(torch.cat([run.ids, *[d[:, None] for d in drafts]], -1), None).all():
+            break  # the drafts say stop (EOS, stop string, length): verify before anything becomes final
 
     if drafting:
         cache.wait_residual()

@@ -96,6 +96,25 @@ def test_streamers_see_verified_and_provisional_tokens(model_and_tok, shakespear
     assert sum(c.puts[1:-1], []) == out[0, ids.shape[1] + 1:].tolist()
 
 
+@pytest.mark.parametrize("after", [0, 20])
+def test_stop_strings_and_processors_apply_in_both_phases(model_and_tok, shakespeare_ids, after):
+    model, tok = model_and_tok
+    ids = shakespeare_ids[:, :256]
+    kw = dict(max_new_tokens=20, do_sample=False, repetition_penalty=1.3)
+    cache, first = LynxCache.from_prefill(model, ids, residual_after_tokens=None)  # full tier from the start
+    ref = model.generate(torch.cat([ids, first], -1), cache=cache, custom_generate=lynx_hf.speculative_generate, **kw)
+    text = tok.decode(ref[0, ids.shape[1] + 1:])
+    stop = text.strip().split()[2]  # a word a few tokens in
+    cache, first = LynxCache.from_prefill(model, ids, residual_after_tokens=after)
+    from transformers import StopStringCriteria, StoppingCriteriaList
+
+    out = model.generate(torch.cat([ids, first], -1), cache=cache, custom_generate=lynx_hf.speculative_generate,
+                         stopping_criteria=StoppingCriteriaList([StopStringCriteria(tok, [stop])]), **kw)
+    got = out[0, ids.shape[1] + 1:]
+    assert got.tolist() == ref[0, ids.shape[1] + 1: ids.shape[1] + 1 + len(got)].tolist()  # same tokens: processors ran
+    assert stop in tok.decode(got) and len(got) < 20  # stopped at the stop string, in either phase
+
+
 def test_batch_with_left_padding(model_and_tok, shakespeare_ids):
     model, tok = model_and_tok
     a, b = shakespeare_ids[:, :200], shakespeare_ids[:, 500:640]
