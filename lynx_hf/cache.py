@@ -260,7 +260,7 @@ class LynxCache(Cache):
                      spec_config: SpecConfig | None = None, bandwidth_bps: float | None = None):
         """Prefill locally in full precision, encode each layer's KV, and return (cache, first_token [B, 1]).
         The anchor lands at once; the residual after `residual_after_tokens` draft tokens (None: at once), or, with
-        bandwidth_bps, both stream over a simulated link in a background thread."""
+        bandwidth_bps (bits/s), both stream over a simulated link in a background thread."""
         from .loader import InProcessLoader, prefill
 
         kv, first = prefill(model, input_ids, attention_mask)

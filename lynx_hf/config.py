@@ -95,12 +95,14 @@ class LynxQuantConfig:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """The draft → verify loop. max_draft_tokens bounds the work that verification may throw away;
-    poll_interval_s is how long a draft step waits, at most, before it re-checks the residual."""
+    """The draft → verify loop. max_draft_tokens bounds the work that verification may throw away (0: never
+    draft, wait for the full tier); draft_while_waiting=False also disables drafting. The residual is re-checked
+    between draft steps."""
 
     max_draft_tokens: int = 64
     draft_while_waiting: bool = True
 
     def __post_init__(self):
-        if not isinstance(self.max_draft_tokens, int) or not (0 <= self.max_draft_tokens <= 4096):
+        if not isinstance(self.max_draft_tokens, int) or isinstance(self.max_draft_tokens, bool) or \
+                not (0 <= self.max_draft_tokens <= 4096):
             raise ValueError(f"SpecConfig: max_draft_tokens must be an int in [0, 4096], got {self.max_draft_tokens!r}")

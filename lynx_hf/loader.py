@@ -82,14 +82,14 @@ class InProcessLoader:
                 self.cache.put_residual(i, "value", 0, sv.residual)
 
     def _link(self):
-        """Anchor of every layer, then residual of every layer, over one link of `bw` bytes/s (strict priority)."""
+        """Anchor of every layer, then residual of every layer, over one link of `bw` bits/s (strict priority)."""
         try:
             t = time.perf_counter() + self.latency
             for stream in ("anchor", "full"):
                 for i, (sk, sv) in enumerate(self.splits):
                     for kind, s in (("key", sk), ("value", sv)):
                         n = s.nbytes("anchor") if stream == "anchor" else s.nbytes("full") - s.nbytes("anchor")
-                        t += n / self.bw
+                        t += 8 * n / self.bw
                         if self._stop.wait(max(0.0, t - time.perf_counter())):
                             return
                         if stream == "anchor":

@@ -99,7 +99,7 @@ def test_wait_times_out_with_a_clear_error():
 
 def test_bandwidth_schedule_sends_anchor_first():
     cache = LynxCache(2, 70)
-    InProcessLoader(kv(), Q(), bandwidth_bps=2e6).attach(cache)
+    InProcessLoader(kv(), Q(), bandwidth_bps=16e6).attach(cache)
     cache.wait_anchors(timeout=10)
     cache.wait_residual(timeout=10)
     kinds = [e[1] for e in cache.events]
