@@ -186,3 +186,21 @@ def test_sampling_follows_the_full_tier_distribution_on_an_mha_model():
     t = [[a for a, b in zip(t[0], t[1]) if a + b > 0], [b for a, b in zip(t[0], t[1]) if a + b > 0]]
     p = chi2_contingency(t)[1]
     assert p > 1e-3, (p, t)
+
+
+def test_greedy_lossless_on_a_tiny_mha_qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    m = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                     num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)).eval()
+    ids = torch.randint(0, 64, (1, 120), generator=torch.Generator().manual_seed(3))
+    kv, first = prefill(m, ids)
+    ref = full_tier_greedy(m, kv, first, 16, Q())
+    for after in (0, 2, 9):
+        cache = LynxCache(len(kv), ids.shape[1], Q())
+        InProcessLoader(kv, Q(), residual_after_tokens=after).attach(cache)
+        out = m.generate(torch.cat([ids, first], -1), cache=cache, custom_generate=lynx_hf.speculative_generate,
+                         max_new_tokens=15, do_sample=False)
+        assert out[0, ids.shape[1]:].tolist() == ref
+        assert cache.stats["drafted"] == after
