@@ -62,7 +62,14 @@ def main(argv=None):
 
     demo_cli.register(sub)
     a = p.parse_args(argv)
-    return a.fn(a)
+    from lynx_hf.cache import LoaderError
+    from lynx_hf.transfer.wire import WireError
+
+    try:
+        return a.fn(a)
+    except (WireError, LoaderError, ConnectionError, TimeoutError, FileNotFoundError) as e:
+        print(f"lynx-hf {a.cmd}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
