@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from .config import LynxQuantConfig
-from .quant import encode
+from .quant import SplitKV, encode
 
 
 @torch.no_grad()
@@ -38,8 +38,6 @@ def encode_layers(kv, config: LynxQuantConfig):
 
 def anchor_only(split):
     """The anchor-stream view of a SplitKV (what travels first): same codes and metadata, no residual."""
-    from .quant import SplitKV
-
     return SplitKV(split.config, split.kind, split.shape, split.dtype, split.anchor, None, split.meta, split.axis)
 
 

@@ -1,7 +1,7 @@
 """Framed, versioned, self-describing messages (docs/wire-format.md). Nothing is ever unpickled: control payloads
 are JSON objects, KV chunks a binary tensor table; every length is bounded before anything is allocated, and a
-CRC32 over header and payload catches corruption. `read_frame` raises only `WireError` (or EOFError-free
-`WireError("peer closed ...")`), never hangs on a bounded stream."""
+CRC32 over header and payload catches corruption. On malformed input `read_frame`/`decode_frame` raise only
+`WireError` (a closed peer is `WireError("peer closed ...")`); on a finite byte string they never hang."""
 from __future__ import annotations
 
 import enum
