@@ -47,10 +47,8 @@ def _serve_decode(a):
         if not text:
             continue
         r = cli.generate(tok(text).input_ids, cfg, max_new_tokens=a.max_new_tokens, speculative=not a.no_drafts)
-        tl = [(t - r["t0"], k) for t, k in r["timeline"]]
         print(json.dumps({"text": tok.decode(r["tokens"]), "tokens": r["tokens"], "bytes": r["bytes"],
-                          "ttft_s": next(t for t, k in tl if k in ("draft", "verified")),
-                          "ttft_verified_s": next(t for t, k in tl if k == "verified"),
+                          **{k: r[k] for k in ("ttft_s", "ttft_verified_s", "tt32t_s")},
                           "drafted": r["stats"]["drafted"], "accepted": r["stats"]["accepted"]}), flush=True)
     cli.close()
 

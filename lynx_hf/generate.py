@@ -100,14 +100,15 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
         return _finish(run, generation_config)
 
     drafts, qs = [], []
+    ctx = run.ids  # verified ids + drafts so far
+    max_len = getattr(run.sc, "max_length", None)
     while drafting:
-        max_len = getattr(run.sc, "max_length", None)
-        max_len_hit = max_len is not None and run.ids.shape[1] + len(drafts) >= max_len
-        if cache.residual_ready() or len(drafts) >= spec.max_draft_tokens or max_len_hit:
+        if cache.residual_ready() or len(drafts) >= spec.max_draft_tokens or (
+                max_len is not None and ctx.shape[1] >= max_len):
             break
-        last = drafts[-1][:, None] if drafts else run.ids[:, -1:]
-        scores = run.lp(torch.cat([run.ids, *[d[:, None] for d in drafts]], -1), run.forward(last, 1)[:, -1])
+        scores = run.lp(ctx, run.forward(ctx[:, -1:], 1)[:, -1])
         tok, probs = run.pick(scores)
+        ctx = torch.cat([ctx, tok[:, None]], dim=-1)
         drafts.append(tok)
         qs.append(probs)
         cache.timeline.append((time.perf_counter(), "draft"))
@@ -117,7 +118,7 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
             streamer.put_provisional(tok.cpu())
         cache.stats["drafted"] += 1
         cache.notify_drafted(len(drafts))
-        if run.sc(torch.cat([run.ids, *[d[:, None] for d in drafts]], -1), None).all():
+        if run.sc(ctx, None).all():
             break  # the drafts say stop (EOS, stop string, length): verify before anything becomes final
 
     if drafting:

@@ -10,7 +10,6 @@ schedule; the network receiver in `lynx_hf.transfer` implements the same interfa
 from __future__ import annotations
 
 import threading
-import time
 
 import torch
 from transformers import DynamicCache
@@ -81,14 +80,15 @@ class InProcessLoader:
 
     def _link(self):
         """Anchor of every layer, then residual of every layer, over one link of `bw` bits/s (strict priority)."""
+        from .transfer.transport import LinkEmulator
+
+        link = LinkEmulator(self.bw, self.latency)
         try:
-            t = time.perf_counter() + self.latency
             for stream in ("anchor", "full"):
                 for i, (sk, sv) in enumerate(self.splits):
                     for kind, s in (("key", sk), ("value", sv)):
                         n = s.nbytes("anchor") if stream == "anchor" else s.nbytes("full") - s.nbytes("anchor")
-                        t += 8 * n / self.bw
-                        if self._stop.wait(max(0.0, t - time.perf_counter())):
+                        if link.pace(n, self._stop):
                             return
                         if stream == "anchor":
                             self.cache.put_anchor(i, kind, 0, anchor_only(s))

@@ -137,6 +137,19 @@ def codes_from_u_fast(u: torch.Tensor, thr: torch.Tensor, sign_magnitude: bool, 
 BLOCK_NUMEL = 1 << 17  # elements per block: every pass of the elementwise chain stays in cache
 
 
+def _head_blocks(H: int, per_head: int):
+    """Head ranges of about BLOCK_NUMEL elements, or None when one block suffices (or inside torch.compile, which
+    fuses the chain itself). Every statistic is per head, so blocks are independent."""
+    hb = max(1, BLOCK_NUMEL // max(1, per_head))
+    if H <= hb or torch.compiler.is_compiling():
+        return None
+    return [slice(i, i + hb) for i in range(0, H, hb)]
+
+
+def _sl(t, h):
+    return None if t is None else t[:, h]
+
+
 def encode_codes(x, gmin, gscale, mu, rho, thr, *, axis: str, page: int, chunk: int, sign_magnitude: bool,
                  alpha: float | None = None):
     """Normalise, compand, split and pack (the op the Triton kernel fuses).
@@ -144,12 +157,10 @@ def encode_codes(x, gmin, gscale, mu, rho, thr, *, axis: str, page: int, chunk: 
     arithmetic path (identical codes, several times faster on CPU); else from the threshold search. Large inputs
     run in blocks of heads (all statistics are per head), so each elementwise pass stays cache-resident."""
     B, H, S, D = x.shape
-    hb = max(1, BLOCK_NUMEL // max(1, B * S * D))
-    if H > hb and not torch.compiler.is_compiling():
-        sl = lambda t, i: None if t is None else t[:, i:i + hb]
-        parts = [encode_codes(x[:, i:i + hb], sl(gmin, i), sl(gscale, i), sl(mu, i), sl(rho, i), thr, axis=axis,
-                              page=page, chunk=chunk, sign_magnitude=sign_magnitude, alpha=alpha)
-                 for i in range(0, H, hb)]
+    blocks = _head_blocks(H, B * S * D)
+    if blocks:
+        parts = [encode_codes(x[:, h], _sl(gmin, h), _sl(gscale, h), _sl(mu, h), _sl(rho, h), thr, axis=axis,
+                              page=page, chunk=chunk, sign_magnitude=sign_magnitude, alpha=alpha) for h in blocks]
         return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
     u = normalise(x, gmin, gscale, mu, rho, axis=axis, page=page, chunk=chunk)
     c = codes_from_u(u, thr, sign_magnitude) if alpha is None else codes_from_u_fast(u, thr, sign_magnitude, alpha)
@@ -162,12 +173,11 @@ def decode_codes(anchor, residual, gmin, gscale, mu, rho, lut, *, axis: str, pag
     """Unpack, look up and de-normalise. residual None → anchor tier (lut is the 16-entry anchor table),
     else full tier (lut is the 256-entry table). Returns [B, H, S, D] in out_dtype. Blocks of heads, as encode."""
     B, H, S, HD = anchor.shape
-    hb = max(1, BLOCK_NUMEL // max(1, B * S * HD * 2))
-    if H > hb and not torch.compiler.is_compiling():
-        sl = lambda t, i: None if t is None else t[:, i:i + hb]
-        return torch.cat([decode_codes(anchor[:, i:i + hb], sl(residual, i), sl(gmin, i), sl(gscale, i), sl(mu, i),
-                                       sl(rho, i), lut, axis=axis, page=page, chunk=chunk, out_dtype=out_dtype)
-                          for i in range(0, H, hb)], 1)
+    blocks = _head_blocks(H, B * S * HD * 2)
+    if blocks:
+        return torch.cat([decode_codes(anchor[:, h], _sl(residual, h), _sl(gmin, h), _sl(gscale, h), _sl(mu, h),
+                                       _sl(rho, h), lut, axis=axis, page=page, chunk=chunk, out_dtype=out_dtype)
+                          for h in blocks], 1)
     a = unpack4(anchor)
     code = a if residual is None else join_codes(a, unpack4(residual))
     S = code.shape[2]

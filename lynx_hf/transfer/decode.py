@@ -132,7 +132,12 @@ class DecodeClient:
         loader.done.wait(self.timeout)
         if loader.error is not None:
             raise loader.error
+        gen = [t - t0 for t, k in cache.timeline if k in ("draft", "verified")]
+        ver = [t - t0 for t, k in cache.timeline if k == "verified"]
         return {"tokens": out[0, len(input_ids):].tolist(), "t0": t0, "first_token_at": t_first - t0,
+                # from sending the request (= its arrival at the prefill process, on loopback) to the first token
+                # this process generated (a draft for Lynx), the first verified one, and the 32nd verified one
+                "ttft_s": gen[0], "ttft_verified_s": ver[0], "tt32t_s": ver[min(32, len(ver)) - 1],
                 "prefill_s": loader.prefill_s, "stats": dict(cache.stats), "events": list(cache.events),
                 "timeline": list(cache.timeline), "bytes": self._bytes(cache)}
 

@@ -32,14 +32,18 @@ class LinkEmulator:
             raise ValueError("bandwidth_bps must be > 0")
         self.bps, self.latency, self._free_at = bandwidth_bps, latency_s, None
 
-    def pace(self, nbytes: int) -> None:
+    def pace(self, nbytes: int, stop: threading.Event | None = None) -> bool:
+        """Block until the link has carried `nbytes` more; returns True if `stop` was set meanwhile."""
         now = time.perf_counter()
         if self._free_at is None:
             self._free_at = now + self.latency
-        if self.bps is None:
-            return
-        self._free_at = max(self._free_at, now) + 8 * nbytes / self.bps
-        time.sleep(max(0.0, self._free_at - time.perf_counter()))
+        if self.bps is not None:
+            self._free_at = max(self._free_at, now) + 8 * nbytes / self.bps
+        wait = max(0.0, self._free_at - time.perf_counter())
+        if stop is not None:
+            return stop.wait(wait)
+        time.sleep(wait)
+        return False
 
 
 class Transport:
