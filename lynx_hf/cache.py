@@ -1,50 +1,86 @@
 """`LynxCache`: a `transformers.Cache` whose prompt KV arrives as Lynx streams (anchor first, residual later).
 
 Per layer it holds the encoded prompt segments (packed codes + metadata), the tier they are materialised at
-(None → "anchor" → "full"), and a full-precision tail for tokens generated on the decode side. Layers are filled
-piecewise by a loader from another thread (`put_anchor` / `put_residual`); the decoding thread polls readiness
-(`anchors_ready`, `residual_ready`) without blocking and switches tiers with `set_tier`, which dequantizes the
-prompt once per change, never per step.
+(None → "anchor" → "full"), and a full-precision tail for tokens generated on the decode side. A full-attention
+layer holds the whole prompt; a sliding-window layer of window W only its last min(P, W) positions, and its mask
+sizes say so (`kv_offset`). Layers are filled piecewise by a loader from another thread (`put_anchor` /
+`put_residual` / `put_logits`); the decoding thread polls readiness without blocking and switches tiers with
+`set_tier`, which dequantizes the prompt once per change, never per step.
 
-Memory bound during decode, per layer: packed codes and metadata (≈ 8.5 bits/value of the prompt, both streams),
-one dequantized prompt in the model dtype ([B, H_kv, S_prompt, D] for K and for V), and the tail
+Two ways to decode from it:
+  * `model.generate(prompt, cache=cache, custom_generate=lynx_hf.speculative_generate, ...)`: drafts on the anchor
+    tier while the residual streams in, then verifies (generate.py). The first token comes from the prefill's
+    last-position logits (`prefill_logits`), so it follows the caller's generation options.
+  * `model.generate(prompt, cache=cache)`: plain Transformers decoding. Until its first forward the cache presents
+    the prompt minus its last position, so `generate` re-runs that one position (as vLLM does when every prompt
+    token is cached); the first forward waits for the residual and decodes on the full tier, no drafting.
+
+Memory bound during decode, per layer: packed codes and metadata (≈ 8.5 bits/value of the held prompt, both
+streams), one dequantized prompt in the model dtype ([B, H_kv, S_held, D] for K and for V), and the tail
 ([B, H_kv, T, D] each). The cache knows nothing about sockets or sampling."""
 from __future__ import annotations
 
 import threading
 import time
+import warnings
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 from .config import LynxQuantConfig, SpecConfig
-from .quant import SplitKV, decode
+from .quant import SplitKV, codec, decode
 
 KINDS = ("key", "value")
+PLAIN_GENERATE_HINT = ("LynxCache: generate() without custom_generate waits for the residual stream and decodes on "
+                       "the full tier. Pass custom_generate=lynx_hf.speculative_generate to draft on the anchor tier "
+                       "while the residual streams in (same output).")
 
 
 class LoaderError(RuntimeError):
     """The loader failed (peer gone, corrupted stream, timeout): the prompt KV will not be completed."""
 
 
+def layer_windows(config) -> list[int | None]:
+    """Per decoder layer: None (full attention) or its sliding window W, as Transformers' own caches read the config.
+    Raises ValueError at once for layers a transferred prompt cannot serve (linear-attention / SSM state, chunked
+    attention, KV shared between layers)."""
+    types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    out = []
+    for i, (t, kw) in enumerate(zip(types, kwargs)):
+        if t == "full_attention":
+            out.append(None)
+        elif t == "sliding_attention":
+            out.append(int(kw["sliding_window"]))
+        else:
+            raise ValueError(f"LynxCache supports full and sliding-window attention layers; layer {i} of this "
+                             f"{getattr(config, 'model_type', 'model')} is {t!r}")
+    return out
+
+
 class LynxLayer(CacheLayerMixin):
+    """One layer: prompt positions [offset, P) from the streams, then the decode-side tail."""
+
     is_croppable = True
-    is_sliding = False
     supports_early_init = False
 
-    def __init__(self, prompt_len: int):
+    def __init__(self, prompt_len: int, sliding_window: int | None = None):
         super().__init__()
-        self.prompt_len = prompt_len
+        self.prompt_len, self.sliding_window = prompt_len, sliding_window
+        self.is_sliding = sliding_window is not None
+        self.held = prompt_len if sliding_window is None else min(prompt_len, sliding_window)
+        self.offset = prompt_len - self.held  # absolute position of keys[..., 0, :]
         self.segments = {k: {} for k in KINDS}  # kind -> {start: SplitKV}, each covering [start, start + S_seg)
         self.tier = None
+        self.rerun = 0  # leading positions of the next update that the layer already holds (plain generate())
 
     # -- filled by the loader (under LynxCache's lock) --------------------------------------------------------------
     def put_anchor(self, kind: str, start: int, split: SplitKV) -> None:
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         end = start + split.shape[2]
-        if start < 0 or end > self.prompt_len:
-            raise ValueError(f"segment [{start}, {end}) lies outside the prompt [0, {self.prompt_len})")
+        if start < self.offset or end > self.prompt_len:
+            raise ValueError(f"segment [{start}, {end}) lies outside the layer's prompt KV [{self.offset}, "
+                             f"{self.prompt_len})")
         if start in self.segments[kind]:
             raise ValueError(f"duplicate anchor segment for {kind} at token {start}")
         self.segments[kind][start] = split
@@ -53,7 +89,7 @@ class LynxLayer(CacheLayerMixin):
         seg = self.segments[kind].get(start)
         if seg is None:
             raise ValueError(f"residual for {kind} at token {start} arrived before its anchor")
-        if not seg.config.is_split:
+        if not codec(seg.config).split:
             raise ValueError(f"method {seg.config.method!r} has no residual stream")
         if seg.residual is not None:
             raise ValueError(f"duplicate residual segment for {kind} at token {start}")
@@ -66,11 +102,11 @@ class LynxLayer(CacheLayerMixin):
         return sum(s.shape[2] for s in self.segments[kind].values())
 
     def anchors_complete(self) -> bool:
-        return all(self._covered(k) == self.prompt_len for k in KINDS)
+        return all(self._covered(k) == self.held for k in KINDS)
 
     def residual_complete(self) -> bool:
         return self.anchors_complete() and all(
-            s.residual is not None or not s.config.is_split for k in KINDS for s in self.segments[k].values())
+            s.residual is not None or not codec(s.config).split for k in KINDS for s in self.segments[k].values())
 
     # -- tiers ------------------------------------------------------------------------------------------------------
     def _dequant(self, kind: str, tier: str) -> torch.Tensor:
@@ -79,57 +115,67 @@ class LynxLayer(CacheLayerMixin):
 
     def set_tier(self, tier: str, dtype: torch.dtype, device) -> None:
         """(Re)materialise the prompt region at `tier`, in place when the buffers exist."""
-        k = self._dequant("key", tier).to(device=device, dtype=dtype)
+        k = self._dequant("key", tier).to(device=device, dtype=dtype)    # k: [B, H_kv, held, D]
         v = self._dequant("value", tier).to(device=device, dtype=dtype)
         if not self.is_initialized:
             self.keys, self.values = k, v
             self.device, self.dtype = k.device, dtype
             self.is_initialized = True
         else:
-            self.keys[:, :, : self.prompt_len] = k
-            self.values[:, :, : self.prompt_len] = v
+            self.keys[:, :, : self.held] = k
+            self.values[:, :, : self.held] = v
         self.tier = tier
 
     # -- CacheLayerMixin --------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states, value_states) -> None:
-        raise RuntimeError("LynxLayer is initialised by set_tier; call LynxCache.set_tier before the first forward")
+        raise RuntimeError("LynxLayer is initialised by set_tier, not by a forward pass")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             raise RuntimeError("LynxCache: the prompt KV is not materialised yet (no tier set): wait for the anchors")
+        if key_states.shape[0] != self.keys.shape[0]:
+            raise ValueError(f"LynxCache holds {self.keys.shape[0]} sequence(s) but the model ran "
+                             f"{key_states.shape[0]}: num_beams > 1 and num_return_sequences > 1 are not supported")
+        if self.rerun:  # the prompt's last position, re-run by generate(): the streamed KV stands
+            key_states, value_states = key_states[..., self.rerun:, :], value_states[..., self.rerun:, :]
+            self.rerun = 0
         self.keys = torch.cat([self.keys, key_states.to(self.keys.dtype)], dim=-2)
         self.values = torch.cat([self.values, value_states.to(self.values.dtype)], dim=-2)
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
-        return 0 if not self.is_initialized else self.keys.shape[-2]
+        """Absolute length. Before the first forward: the prompt minus its last position (see the module doc)."""
+        if not self.is_initialized:
+            return self.prompt_len - 1
+        return self.offset + self.keys.shape[-2] - self.rerun
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
+        return self.get_seq_length() - self.offset + query_length, self.offset
 
     def get_max_length(self) -> int:
         return -1
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove `-tokens_to_remove` tail tokens (negative, as DynamicLayer). The prompt itself is never cropped."""
+        """Remove `-tokens_to_remove` tail tokens (negative, as Transformers' layers take it). Never the prompt."""
         if tokens_to_remove > 0:
-            raise ValueError("crop takes a negative number of tokens to remove")
+            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
         if tokens_to_remove == 0 or not self.is_initialized:
             return
-        keep = self.get_seq_length() + tokens_to_remove
-        if keep < self.prompt_len:
-            raise ValueError(f"cannot crop into the transferred prompt ({self.prompt_len} tokens) to {keep}")
+        keep = self.keys.shape[-2] + tokens_to_remove
+        if keep < self.held:
+            raise ValueError(f"cannot crop into the transferred prompt ({self.prompt_len} tokens) to "
+                             f"{self.offset + keep}")
         self.keys = self.keys[..., :keep, :]
         self.values = self.values[..., :keep, :]
 
     def reset(self) -> None:
+        """Drop the decode-side tail; the transferred prompt stays."""
         if self.is_initialized:
-            self.keys = self.keys[..., : self.prompt_len, :]
-            self.values = self.values[..., : self.prompt_len, :]
+            self.crop(self.held - self.keys.shape[-2])
 
     def _select(self, fn) -> None:
         for kind in KINDS:
-            for s, seg in self.segments[kind].items():
+            for seg in self.segments[kind].values():
                 seg.anchor, seg.meta = fn(seg.anchor), {n: fn(t) for n, t in seg.meta.items()}
                 if seg.residual is not None:
                     seg.residual = fn(seg.residual)
@@ -148,14 +194,18 @@ class LynxLayer(CacheLayerMixin):
 
 
 class LynxCache(Cache):
-    """Cache for a transferred prompt: `num_layers` LynxLayers of `prompt_len` tokens each."""
+    """Cache for a transferred prompt of `prompt_len` tokens: one LynxLayer per decoder layer, sliding where
+    `sliding_windows[i]` is a window (see `layer_windows`; `LynxCache.for_model` reads them from a model)."""
 
     def __init__(self, num_layers: int, prompt_len: int, quant_config: LynxQuantConfig | None = None,
                  spec_config: SpecConfig | None = None, dtype: torch.dtype = torch.float32, device="cpu",
-                 timeout_s: float = 120.0):
+                 timeout_s: float = 120.0, sliding_windows: list[int | None] | None = None):
         if num_layers < 1 or prompt_len < 1:
             raise ValueError(f"LynxCache needs num_layers >= 1 and prompt_len >= 1, got {num_layers}, {prompt_len}")
-        super().__init__(layers=[LynxLayer(prompt_len) for _ in range(num_layers)])
+        windows = list(sliding_windows) if sliding_windows is not None else [None] * num_layers
+        if len(windows) != num_layers or not all(w is None or (isinstance(w, int) and w >= 1) for w in windows):
+            raise ValueError(f"sliding_windows must hold {num_layers} entries, each None or an int >= 1")
+        super().__init__(layers=[LynxLayer(prompt_len, w) for w in windows])
         self.prompt_len = prompt_len
         self.quant_config = quant_config or LynxQuantConfig()
         self.spec_config = spec_config or SpecConfig()
@@ -163,11 +213,18 @@ class LynxCache(Cache):
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._error: BaseException | None = None
+        self.prefill_logits: torch.Tensor | None = None  # [B, V]: the prefill's last-position logits
         self.loader = None
+        self.used = False  # a generation has consumed this cache (one request per cache)
         self.stats: dict = {}
         self.events: list = []    # (perf_counter, "anchor" | "residual", layer, kind): arrivals
         self.timeline: list = []  # (perf_counter, "draft" | "verified" | "verify_start"): decode-side tokens
         self.reset_stats()
+
+    @classmethod
+    def for_model(cls, model, prompt_len: int, **kw) -> "LynxCache":
+        windows = layer_windows(model.config)
+        return cls(len(windows), prompt_len, sliding_windows=windows, **kw)
 
     def reset_stats(self) -> None:
         self.stats = {"drafted": 0, "accepted": 0, "rounds": 0, "ttft_draft_s": None, "ttft_verified_s": None,
@@ -184,6 +241,18 @@ class LynxCache(Cache):
         with self._changed:
             self._layer(layer).put_residual(kind, start, residual)
             self.events.append((time.perf_counter(), "residual", layer, kind))
+            self._changed.notify_all()
+
+    def put_logits(self, logits: torch.Tensor) -> None:
+        """The prefill's last-position logits, [B, V] (raw, before any logits processor)."""
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
+            raise ValueError(f"prefill logits must be a float tensor [B, V], got {getattr(logits, 'shape', logits)}")
+        if torch.isnan(logits).any():
+            raise ValueError("prefill logits contain NaN")
+        with self._changed:
+            if self.prefill_logits is not None:
+                raise ValueError("duplicate prefill logits")
+            self.prefill_logits = logits
             self._changed.notify_all()
 
     def fail(self, exc: BaseException) -> None:
@@ -212,30 +281,30 @@ class LynxCache(Cache):
         if self._error is not None:
             raise LoaderError(f"KV loader failed: {self._error}") from self._error
 
-    def _wait(self, pred, what: str, timeout: float | None) -> None:
-        deadline = time.monotonic() + (self.timeout_s if timeout is None else timeout)
+    def _wait(self, ready, what: str, timeout: float | None) -> None:
+        timeout = self.timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         with self._changed:
             while True:
                 self._raise_if_failed()
-                if all(pred(l) for l in self.layers):
+                if ready():
                     return
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise LoaderError(f"timed out after {self.timeout_s if timeout is None else timeout:.1f} s "
-                                      f"waiting for the {what}")
+                    raise LoaderError(f"timed out after {timeout:.1f} s waiting for the {what}")
                 self._changed.wait(min(left, 0.5))
 
     def wait_anchors(self, timeout: float | None = None) -> None:
-        self._wait(LynxLayer.anchors_complete, "anchor stream", timeout)
+        self._wait(lambda: all(l.anchors_complete() for l in self.layers), "anchor stream", timeout)
 
     def wait_residual(self, timeout: float | None = None) -> None:
         if self.loader is not None:
             self.loader.on_wait()
-        self._wait(LynxLayer.residual_complete, "residual stream", timeout)
+        self._wait(lambda: all(l.residual_complete() for l in self.layers), "residual stream", timeout)
 
-    @property
-    def tier(self):
-        return self.layers[0].tier
+    def wait_logits(self, timeout: float | None = None) -> torch.Tensor:
+        self._wait(lambda: self.prefill_logits is not None, "prefill's logits", timeout)
+        return self.prefill_logits
 
     def set_tier(self, tier: str) -> None:
         with self._lock:
@@ -243,12 +312,31 @@ class LynxCache(Cache):
             for l in self.layers:
                 l.set_tier(tier, self.dtype, self.device)
 
-    def crop_to(self, length: int) -> None:
-        self.crop(length - self.get_seq_length())
-
     def notify_drafted(self, n: int) -> None:
         if self.loader is not None:
             self.loader.on_draft(n)
+
+    def close(self) -> None:
+        """Release the loader (stops a simulated link); the cache's contents stay readable."""
+        if self.loader is not None:
+            self.loader.close()
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if self.layers[layer_idx].tier is None:
+            self._start_plain_generate()
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _start_plain_generate(self) -> None:
+        """A forward pass without speculative_generate: the full tier, once it has landed; the first forward re-runs
+        the prompt's last position (get_seq_length said P - 1), whose streamed KV each layer keeps."""
+        if self.used:
+            raise ValueError("this LynxCache was already used for a generation; build a new one per request")
+        warnings.warn(PLAIN_GENERATE_HINT, stacklevel=3)
+        self.used = True
+        self.wait_residual()
+        self.set_tier("full")
+        for l in self.layers:
+            l.rerun = 1
 
     @property
     def is_compileable(self) -> bool:
@@ -258,13 +346,15 @@ class LynxCache(Cache):
     def from_prefill(cls, model, input_ids: torch.Tensor, quant_config: LynxQuantConfig | None = None,
                      residual_after_tokens: int | None = None, attention_mask: torch.Tensor | None = None,
                      spec_config: SpecConfig | None = None, bandwidth_bps: float | None = None):
-        """Prefill locally in full precision, encode each layer's KV, and return (cache, first_token [B, 1]).
-        The anchor lands at once; the residual after `residual_after_tokens` draft tokens (None: at once), or, with
+        """Prefill locally in full precision, encode each layer's KV, and return (cache, first_token [B, 1]) with the
+        prefill's logits in the cache (first_token is their argmax, for callers that append it themselves).
+        The anchor lands at once; the residual after `residual_after_tokens` draft steps (None: at once), or, with
         bandwidth_bps (bits/s), both stream over a simulated link in a background thread."""
         from .loader import InProcessLoader, prefill
 
-        kv, first = prefill(model, input_ids, attention_mask)
-        cache = cls(len(kv), input_ids.shape[1], quant_config, spec_config, dtype=kv[0][0].dtype,
-                    device=input_ids.device)
+        kv, logits = prefill(model, input_ids, attention_mask)
+        cache = cls.for_model(model, input_ids.shape[1], quant_config=quant_config, spec_config=spec_config,
+                              dtype=kv[0][0].dtype, device=input_ids.device)
+        cache.put_logits(logits)
         InProcessLoader(kv, cache.quant_config, residual_after_tokens, bandwidth_bps).attach(cache)
-        return cache, first
+        return cache, logits.argmax(-1, keepdim=True)

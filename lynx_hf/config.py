@@ -62,11 +62,6 @@ class LynxQuantConfig:
         if self.method == "paper" and self.anchor != "paper":
             object.__setattr__(self, "anchor", "paper")  # the published scheme has one anchor rule
 
-    @property
-    def is_split(self) -> bool:
-        """True when the code has a separate residual stream (Lynx / paper); baselines ship in one piece."""
-        return self.method in ("lynx", "paper")
-
     def axis(self, kind: str) -> str:
         if kind not in ("key", "value"):
             raise ValueError(f"kind must be 'key' or 'value', got {kind!r}")

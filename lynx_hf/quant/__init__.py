@@ -1,20 +1,76 @@
 """Pure quantization: `encode(x, config) -> SplitKV` and `decode(split, tier) -> Tensor`, for every method.
 
 x is one layer's keys or values, [B, H_kv, S, D], in bf16 / fp16 / fp32. This package knows nothing about caches,
-models or transport. `encode`/`decode` pick the fastest exact implementation for the tensor's device (Triton on
-CUDA, a fused torch.compile path on CPU for large tensors, else eager torch; see quant/dispatch.py);
-`reference=True` forces the reference (eager, threshold-search codes)."""
+models or transport. `CODECS` maps each method name of `LynxQuantConfig` to its `Codec` (encode, decode, whether it
+has a residual stream); `encode`/`decode` validate and dispatch through it. The Lynx codec picks the fastest exact
+implementation for the tensor's device (Triton on CUDA, a fused torch.compile path on CPU for large tensors, else
+eager torch; see quant/dispatch.py); `reference=True` forces the reference (eager, threshold-search codes)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from ..config import LynxQuantConfig
+from ..config import METHODS, LynxQuantConfig
 from . import baselines, lynx
 from .splitkv import TIERS, SplitKV
 
-__all__ = ["encode", "decode", "SplitKV", "TIERS", "validate_input"]
+__all__ = ["encode", "decode", "SplitKV", "TIERS", "Codec", "CODECS", "codec", "validate_input"]
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Codec:
+    """One KV method. encode(x, config, kind, reference) → SplitKV; decode(split, tier, reference) → Tensor.
+    split: True when the code has a separate residual stream (anchor first, residual later); baselines ship whole."""
+
+    encode: Callable[[torch.Tensor, LynxQuantConfig, str, bool], SplitKV]
+    decode: Callable[[SplitKV, str, bool], torch.Tensor]
+    split: bool
+
+
+def _finite(x: torch.Tensor) -> None:
+    if not torch.isfinite(x).all():
+        raise ValueError("encode: input contains NaN or Inf")
+
+
+def _lynx_encode(x, config, kind, reference):
+    from .dispatch import fused_encode_op
+
+    if reference:
+        return lynx.encode(x, config, kind, fast=False)
+    return lynx.encode(x, config, kind, impl=fused_encode_op(x.device, x.numel()))
+
+
+def _lynx_decode(split, tier, reference):
+    from .dispatch import fused_decode_op
+
+    if tier == "full" and split.residual is None:
+        raise ValueError("decode: the full tier needs the residual stream, which this SplitKV lacks")
+    numel = split.anchor.numel() * 2
+    return lynx.decode(split, tier, impl=None if reference else fused_decode_op(split.anchor.device, numel))
+
+
+def _baseline(enc, dec) -> Codec:
+    def encode_(x, config, kind, reference):
+        _finite(x)
+        return enc(x, config, kind)
+
+    return Codec(encode_, lambda split, tier, reference: dec(split), split=False)
+
+
+_LYNX = Codec(_lynx_encode, _lynx_decode, split=True)
+_PASSTHROUGH = _baseline(baselines.encode_passthrough, baselines.decode_passthrough)
+_UNIFORM = _baseline(baselines.encode_uniform, baselines.decode_uniform)
+CODECS: dict[str, Codec] = {"lynx": _LYNX, "paper": _LYNX, "identity": _PASSTHROUGH, "bf16": _PASSTHROUGH,
+                            **{m: _UNIFORM for m in baselines.BITS}}
+assert set(CODECS) == set(METHODS), "every method of LynxQuantConfig needs a codec"
+
+
+def codec(config: LynxQuantConfig) -> Codec:
+    return CODECS[config.method]
 
 
 def validate_input(x) -> None:
@@ -37,19 +93,7 @@ def encode(x: torch.Tensor, config: LynxQuantConfig | None = None, kind: str = "
     if kind not in ("key", "value"):
         raise ValueError(f"encode: kind must be 'key' or 'value', got {kind!r}")
     validate_input(x)
-    if config.method in ("identity", "bf16"):
-        if not torch.isfinite(x).all():
-            raise ValueError("encode: input contains NaN or Inf")
-        return baselines.encode_passthrough(x, config, kind)
-    if config.method in baselines.BITS:
-        if not torch.isfinite(x).all():
-            raise ValueError("encode: input contains NaN or Inf")
-        return baselines.encode_uniform(x, config, kind)
-    from .dispatch import fused_encode_op
-
-    if reference:
-        return lynx.encode(x, config, kind, fast=False)
-    return lynx.encode(x, config, kind, impl=fused_encode_op(x.device, x.numel()))
+    return codec(config).encode(x, config, kind, reference)
 
 
 def decode(split: SplitKV, tier: str = "full", *, reference: bool = False) -> torch.Tensor:
@@ -58,14 +102,4 @@ def decode(split: SplitKV, tier: str = "full", *, reference: bool = False) -> to
         raise ValueError(f"decode: expected a SplitKV, got {type(split).__name__}")
     if tier not in TIERS:
         raise ValueError(f"decode: tier must be one of {TIERS}, got {tier!r}")
-    m = split.config.method
-    if m in ("identity", "bf16"):
-        return baselines.decode_passthrough(split)
-    if m in baselines.BITS:
-        return baselines.decode_uniform(split)
-    if tier == "full" and split.residual is None:
-        raise ValueError("decode: the full tier needs the residual stream, which this SplitKV lacks")
-    from .dispatch import fused_decode_op
-
-    numel = split.anchor.numel() * 2
-    return lynx.decode(split, tier, impl=None if reference else fused_decode_op(split.anchor.device, numel))
+    return codec(split.config).decode(split, tier, reference)

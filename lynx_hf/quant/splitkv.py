@@ -43,10 +43,6 @@ class SplitKV:
             numel *= s
         return 8.0 * self.nbytes(tier) / numel
 
-    @property
-    def has_residual(self) -> bool:
-        return self.residual is not None
-
     def to(self, device) -> "SplitKV":
         mv = lambda t: None if t is None else t.to(device)
         return SplitKV(self.config, self.kind, self.shape, self.dtype, mv(self.anchor), mv(self.residual),

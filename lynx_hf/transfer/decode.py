@@ -1,5 +1,6 @@
 """Decode side: `NetworkLoader` (the LynxCache loader that a receiving thread drives) and `DecodeClient`, which
-sends a request to a prefill server, builds the LynxCache from the KV handshake, and generates."""
+sends a request to a prefill server, builds the LynxCache from the KV handshake, and generates with plain
+`model.generate(prompt, cache=..., custom_generate=speculative_generate)`."""
 from __future__ import annotations
 
 import threading
@@ -7,28 +8,28 @@ import time
 
 import torch
 
-from ..cache import LynxCache
+from ..cache import LynxCache, layer_windows
 from ..config import LynxQuantConfig, SpecConfig
-from .serde import check_residual, to_split, unpack_chunk
-from .session import Channel, client_handshake, fingerprint, resolve_secret
+from ..loader import Loader
+from .serde import check_residual, to_split, unpack_chunk, unpack_logits
+from .session import Channel, client_handshake, fingerprint, logits_width, resolve_secret
 from .transport import TcpTransport
 from .wire import FrameType, Stream, WireError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-class NetworkLoader:
-    """Receives one request's frames after PROMPT: checks each, writes it into the cache; FIRST and END too.
-    Any failure (peer gone, bad frame, timeout) is handed to the cache, so the decoder raises instead of emitting
-    unverified tokens."""
+class NetworkLoader(Loader):
+    """Receives one request's frames after PROMPT: checks each and writes it into the cache (chunks, FIRST's
+    logits); END closes the request. Any failure (peer gone, bad frame, timeout) is handed to the cache, so the
+    decoder raises instead of emitting unverified tokens. The thread always reads to END (or an error): the channel
+    belongs to the DecodeClient, whose next request starts after it, so `close` has nothing to stop."""
 
     def __init__(self, ch: Channel, prompt: dict, rid: int, timeout_s: float = 30.0):
         self.ch, self.p, self.rid, self.timeout = ch, prompt, rid, timeout_s
-        self.first: int | None = None
         self.prefill_s: float | None = None
-        self.first_evt, self.done = threading.Event(), threading.Event()
+        self.done = threading.Event()
         self.error: BaseException | None = None
-        self.cache = None
 
     def attach(self, cache: LynxCache) -> "NetworkLoader":
         self.cache = cache
@@ -37,7 +38,7 @@ class NetworkLoader:
         return self
 
     def _run(self) -> None:
-        p, cfg = self.p, self.cache.quant_config
+        p = self.p
         B, H, D, dtype = p["batch"], p["kv_heads"], p["head_dim"], DTYPES[p["dtype"]]
         try:
             while True:
@@ -45,30 +46,17 @@ class NetworkLoader:
                 if f.request_id != self.rid:
                     raise WireError(f"frame for request {f.request_id} inside request {self.rid}")
                 if f.type == FrameType.CHUNK:
-                    layer, kind, axis, start, count, tensors = unpack_chunk(f.payload)
-                    if not (0 <= layer < p["num_layers"] and 0 < count and start + count <= p["prompt_len"]):
-                        raise WireError(f"chunk layer {layer} tokens [{start}, {start + count}) out of range")
-                    shape = (B, H, count, D)
-                    if f.stream == Stream.ANCHOR:
-                        self.cache.put_anchor(layer, kind, start, to_split(tensors, cfg, kind, axis, shape, dtype))
-                    elif f.stream == Stream.RESIDUAL:
-                        self.cache.put_residual(layer, kind, start, check_residual(tensors, cfg, kind, axis, shape, dtype))
-                    else:
-                        raise WireError("chunk on the control stream")
+                    self._chunk(f, B, H, D, dtype)
                 elif f.type == FrameType.FIRST:
-                    j = f.json()
-                    tok = j.get("token")
-                    if not isinstance(tok, int):
-                        raise WireError("FIRST without an integer token")
-                    self.first, self.prefill_s = tok, j.get("prefill_s")
-                    self.first_evt.set()
+                    self.cache.put_logits(unpack_logits(f.payload, B, p["vocab"], dtype))
                 elif f.type == FrameType.END:
                     j = f.json()
                     if (j.get("anchor_frames"), j.get("residual_frames")) != (
                             self.ch.checker.next[Stream.ANCHOR], self.ch.checker.next[Stream.RESIDUAL]):
                         raise WireError(f"END counts {j} do not match the frames received")
-                    if self.first is None or not self.cache.residual_ready():
-                        raise WireError("END before the whole prompt KV arrived")
+                    if self.cache.prefill_logits is None or not self.cache.residual_ready():
+                        raise WireError("END before the whole prompt KV and the logits arrived")
+                    self.prefill_s = j.get("prefill_s")
                     self.done.set()
                     return
                 else:
@@ -76,23 +64,22 @@ class NetworkLoader:
         except BaseException as e:  # noqa: BLE001 — delivered to the decoding thread
             self.error = e
             self.cache.fail(e)
-            self.first_evt.set()
 
-    def wait_first(self, timeout: float) -> int:
-        if not self.first_evt.wait(timeout):
-            raise TimeoutError(f"no first token from the prefill side within {timeout} s")
-        if self.first is None:
-            raise self.error if self.error else WireError("transfer failed")
-        return self.first
-
-    def on_draft(self, n: int) -> None:
-        pass
-
-    def on_wait(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+    def _chunk(self, f, B, H, D, dtype) -> None:
+        layer, kind, axis, start, count, tensors = unpack_chunk(f.payload)
+        P, cfg = self.p["prompt_len"], self.cache.quant_config
+        if not 0 <= layer < self.p["num_layers"]:
+            raise WireError(f"chunk for layer {layer} of {self.p['num_layers']}")
+        first = self.cache.layers[layer].offset  # a sliding layer holds only its window's last positions
+        if not (0 < count and first <= start and start + count <= P):
+            raise WireError(f"chunk of layer {layer}: tokens [{start}, {start + count}) outside [{first}, {P})")
+        shape = (B, H, count, D)
+        if f.stream == Stream.ANCHOR:
+            self.cache.put_anchor(layer, kind, start, to_split(tensors, cfg, kind, axis, shape, dtype))
+        elif f.stream == Stream.RESIDUAL:
+            self.cache.put_residual(layer, kind, start, check_residual(tensors, cfg, kind, axis, shape, dtype))
+        else:
+            raise WireError("chunk on the control stream")
 
 
 class DecodeClient:
@@ -104,8 +91,24 @@ class DecodeClient:
         self._rid = 0
         client_handshake(self.ch, resolve_secret(secret), fingerprint(model))
 
+    def _check_handshake(self, p: dict, prompt_len: int, cfg: LynxQuantConfig) -> None:
+        if p.get("prompt_len") != prompt_len or p.get("dtype") not in DTYPES or p.get("batch") != 1:
+            raise WireError(f"KV handshake does not match the request: {p}")
+        if p.get("windows") != layer_windows(self.model.config) or p.get("num_layers") != len(p["windows"]):
+            raise WireError("KV handshake declares other attention layers (sliding windows) than this model's")
+        if p.get("vocab") != logits_width(self.model):
+            raise WireError(f"KV handshake declares {p.get('vocab')} logits, this model has {logits_width(self.model)}")
+        try:
+            srv_cfg = LynxQuantConfig.from_dict(p.get("quant_config"))
+        except (ValueError, TypeError) as e:
+            raise WireError(f"bad codec config in handshake: {e}") from None
+        if srv_cfg != cfg:
+            raise WireError("the prefill side chose a different codec config")
+
     def generate(self, input_ids: list[int], quant_config: LynxQuantConfig | None = None, max_new_tokens: int = 32,
                  speculative: bool = True, spec_config: SpecConfig | None = None, **gen_kwargs) -> dict:
+        """Send the prompt, receive its KV and logits, and generate `max_new_tokens` tokens (the first included)
+        with any generation options (`gen_kwargs`, greedy by default)."""
         from ..generate import speculative_generate
 
         self._rid += 1
@@ -113,30 +116,23 @@ class DecodeClient:
         t0 = time.perf_counter()
         self.ch.send_json(FrameType.REQUEST, {"input_ids": list(map(int, input_ids)), "quant_config": cfg.to_dict()}, rid)
         p = self.ch.recv(self.timeout, FrameType.PROMPT).json()
-        if p.get("prompt_len") != len(input_ids) or p.get("dtype") not in DTYPES:
-            raise WireError(f"KV handshake does not match the request: {p}")
-        try:
-            srv_cfg = LynxQuantConfig.from_dict(p.get("quant_config"))
-        except (ValueError, TypeError) as e:
-            raise WireError(f"bad codec config in handshake: {e}") from None
-        if srv_cfg != cfg:
-            raise WireError("the prefill side chose a different codec config")
+        self._check_handshake(p, len(input_ids), cfg)
         spec = spec_config or SpecConfig(max_draft_tokens=64 if speculative else 0)
-        cache = LynxCache(p["num_layers"], p["prompt_len"], cfg, spec, dtype=DTYPES[p["dtype"]], timeout_s=self.timeout)
+        # waits are bounded by the loader's per-frame timeout (a silent peer fails the cache), not by the cache's
+        cache = LynxCache(p["num_layers"], p["prompt_len"], cfg, spec, dtype=DTYPES[p["dtype"]],
+                          timeout_s=self.timeout + 600, sliding_windows=p["windows"])
         loader = NetworkLoader(self.ch, p, rid, self.timeout).attach(cache)
-        first = loader.wait_first(self.timeout + 600)
-        t_first = time.perf_counter()
-        ids = torch.tensor([list(input_ids) + [first]])
-        out = self.model.generate(ids, cache=cache, custom_generate=speculative_generate,
-                                  max_new_tokens=max_new_tokens, do_sample=False, **gen_kwargs)
-        loader.done.wait(self.timeout)
+        out = self.model.generate(torch.tensor([list(input_ids)]), cache=cache, custom_generate=speculative_generate,
+                                  max_new_tokens=max_new_tokens, **{"do_sample": False, **gen_kwargs})
+        while not loader.done.wait(0.2) and loader.error is None:
+            pass  # the stream goes on after an early stop; the receiver's per-frame timeout bounds this
         if loader.error is not None:
             raise loader.error
         gen = [t - t0 for t, k in cache.timeline if k in ("draft", "verified")]
         ver = [t - t0 for t, k in cache.timeline if k == "verified"]
-        return {"tokens": out[0, len(input_ids):].tolist(), "t0": t0, "first_token_at": t_first - t0,
+        return {"tokens": out[0, len(input_ids):].tolist(), "t0": t0,
                 # from sending the request (= its arrival at the prefill process, on loopback) to the first token
-                # this process generated (a draft for Lynx), the first verified one, and the 32nd verified one
+                # this process produced (draft or verified), the first verified one, and the 32nd verified one
                 "ttft_s": gen[0], "ttft_verified_s": ver[0], "tt32t_s": ver[min(32, len(ver)) - 1],
                 "prefill_s": loader.prefill_s, "stats": dict(cache.stats), "events": list(cache.events),
                 "timeline": list(cache.timeline), "bytes": self._bytes(cache)}

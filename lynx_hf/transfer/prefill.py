@@ -1,8 +1,9 @@
 """Prefill side: layer-wise sending overlapped with the forward pass, and the server process.
 
-`StreamingCache.update` is called by every attention layer during prefill; it stores the layer's KV (as a
-DynamicCache does), encodes it, and queues the anchor chunks (priority 0) and residual chunks (priority 1) at once,
-so the link carries layer i while layer i+1 computes."""
+During prefill every attention layer hands its prompt KV to a `PromptCapture` (loader.py); the layer's needed
+positions (all of them, or a sliding window's last W) are encoded at once and queued as anchor chunks (priority 0)
+and residual chunks (priority 1), so the link carries layer i while layer i+1 computes. The last position's logits
+follow the anchors (FIRST), so the decode side picks the first token with its own generation options."""
 from __future__ import annotations
 
 import logging
@@ -11,12 +12,13 @@ import threading
 import time
 
 import torch
-from transformers import DynamicCache
 
+from ..cache import layer_windows
 from ..config import LynxQuantConfig
+from ..loader import PromptCapture
 from ..quant import encode
-from .serde import pack_chunk
-from .session import Channel, fingerprint, resolve_secret, server_handshake
+from .serde import pack_chunk, pack_logits
+from .session import Channel, fingerprint, logits_width, resolve_secret, server_handshake
 from .transport import PRIO_ANCHOR, PRIO_END, PRIO_RESIDUAL, LinkEmulator, TcpTransport
 from .wire import FrameType, Stream, WireError
 
@@ -25,62 +27,62 @@ MAX_PROMPT = 131072
 SEGMENT = 256  # tokens per chunk frame: small frames keep strict priority responsive
 
 
-class StreamingCache(DynamicCache):
-    def __init__(self, config, on_layer, prompt_len: int):
-        super().__init__(config=config)
-        self.on_layer, self.prompt_len = on_layer, prompt_len
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        if key_states.shape[-2] == self.prompt_len:
-            self.on_layer(layer_idx, key_states, value_states)
-        return out
-
-
 def send_layer(ch: Channel, rid: int, cfg: LynxQuantConfig, layer: int, k: torch.Tensor, v: torch.Tensor,
-               segment: int = SEGMENT) -> list:
+               start: int, segment: int = SEGMENT) -> list:
+    """Queue one layer's KV (k, v: [B, H_kv, S, D] for prompt positions [start, start + S)) as chunk frames."""
     futs = []
     S = k.shape[2]
     for kind, x in (("key", k), ("value", v)):
-        for start in range(0, S, segment):
-            s = encode(x[:, :, start:start + segment].contiguous(), cfg, kind)
-            futs.append(ch.send_chunk(Stream.ANCHOR, rid, pack_chunk(layer, kind, start, s, False), PRIO_ANCHOR))
+        for off in range(0, S, segment):
+            s = encode(x[:, :, off:off + segment].contiguous(), cfg, kind)
+            futs.append(ch.send_binary(FrameType.CHUNK, Stream.ANCHOR, rid,
+                                       pack_chunk(layer, kind, start + off, s, False), PRIO_ANCHOR))
             if s.residual is not None:
-                futs.append(ch.send_chunk(Stream.RESIDUAL, rid, pack_chunk(layer, kind, start, s, True), PRIO_RESIDUAL))
+                futs.append(ch.send_binary(FrameType.CHUNK, Stream.RESIDUAL, rid,
+                                           pack_chunk(layer, kind, start + off, s, True), PRIO_RESIDUAL))
     return futs
+
+
+def kv_handshake(model, rid: int, prompt_len: int, cfg: LynxQuantConfig) -> dict:
+    """The PROMPT frame's JSON: what the decode side needs to build and check its LynxCache."""
+    c = model.config.get_text_config(decoder=True)
+    try:
+        windows = layer_windows(model.config)
+    except ValueError as e:
+        raise WireError(str(e)) from None
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    return {"request_id": rid, "num_layers": len(windows), "windows": windows, "batch": 1,
+            "kv_heads": c.num_key_value_heads, "head_dim": head_dim, "dtype": dtype, "vocab": logits_width(model),
+            "prompt_len": prompt_len, "segment": SEGMENT, "quant_config": cfg.to_dict()}
 
 
 @torch.no_grad()
 def serve_request(model, ch: Channel, req: dict, rid: int) -> dict:
-    """Validate a REQUEST, announce the KV (PROMPT), prefill while streaming, then FIRST and END."""
+    """Validate a REQUEST, announce the KV (PROMPT), prefill while streaming, then FIRST (logits) and END."""
     ids = req.get("input_ids")
     if not (isinstance(ids, list) and 0 < len(ids) <= MAX_PROMPT and all(isinstance(i, int) for i in ids)):
         raise WireError(f"input_ids must be a list of 1..{MAX_PROMPT} ints")
-    vocab = model.config.vocab_size
+    vocab = model.config.get_text_config().vocab_size
     if min(ids) < 0 or max(ids) >= vocab:
         raise WireError(f"token id out of range [0, {vocab})")
     try:
         cfg = LynxQuantConfig.from_dict(req.get("quant_config") or {})
     except (ValueError, TypeError) as e:
         raise WireError(f"bad quant_config: {e}") from None
-    c = model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-    ch.send_json(FrameType.PROMPT, {"request_id": rid, "num_layers": c.num_hidden_layers, "batch": 1,
-                                    "kv_heads": c.num_key_value_heads, "head_dim": head_dim, "dtype": dtype,
-                                    "prompt_len": len(ids), "segment": SEGMENT, "quant_config": cfg.to_dict()},
-                 rid)
+    P = len(ids)
+    ch.send_json(FrameType.PROMPT, kv_handshake(model, rid, P, cfg), rid)
     t0 = time.perf_counter()
     futs = []
-    cache = StreamingCache(model.config, lambda i, k, v: futs.extend(send_layer(ch, rid, cfg, i, k, v)), len(ids))
-    out = model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=1)
-    first = int(out.logits[0, -1].argmax())
+    cap = PromptCapture(model.config, lambda i, k, v: futs.extend(send_layer(ch, rid, cfg, i, k, v, P - k.shape[2])), P)
+    out = model(input_ids=torch.tensor([ids]), cache=cap, use_cache=True, logits_to_keep=1)
     prefill_s = time.perf_counter() - t0
-    ch.send_json(FrameType.FIRST, {"token": first, "prefill_s": prefill_s}, rid, wait=False)
+    ch.send_binary(FrameType.FIRST, Stream.CONTROL, rid, pack_logits(out.logits[:, -1]), PRIO_ANCHOR)
     end = ch.send_json(FrameType.END, {"anchor_frames": ch.out_seq[Stream.ANCHOR],
-                                       "residual_frames": ch.out_seq[Stream.RESIDUAL]}, rid, PRIO_END, wait=False)
+                                       "residual_frames": ch.out_seq[Stream.RESIDUAL], "prefill_s": prefill_s},
+                       rid, PRIO_END, wait=False)
     end.result(600)
-    return {"prompt_len": len(ids), "prefill_s": prefill_s, "sent_s": time.perf_counter() - t0}
+    return {"prompt_len": P, "prefill_s": prefill_s, "sent_s": time.perf_counter() - t0}
 
 
 class PrefillServer:

@@ -1,6 +1,6 @@
-"""KV chunks on the wire: a SplitKV segment (anchor stream: codes + metadata) or a residual segment (codes only)
-as a self-describing binary tensor table. Shapes are checked against what the negotiated codec produces for the
-declared segment, so a peer cannot make the decoder read out of bounds."""
+"""Tensors on the wire as a self-describing binary table: KV chunks (a SplitKV segment — anchor stream: codes +
+metadata — or a residual segment, codes only) and the prefill's logits (FIRST). Shapes are checked against what
+the negotiated codec (or the KV handshake) declares, so a peer cannot make the decoder read out of bounds."""
 from __future__ import annotations
 
 import functools
@@ -9,7 +9,7 @@ import struct
 import torch
 
 from ..config import LynxQuantConfig
-from ..quant import SplitKV, encode
+from ..quant import SplitKV, codec, encode
 from .wire import WireError
 
 SUB = struct.Struct("<HBBII")  # layer, kind (0 key, 1 value), axis (0 channel, 1 token, 2 none), start, count
@@ -20,9 +20,9 @@ KINDS = ["key", "value"]
 MAX_TENSORS, MAX_NDIM, MAX_NAME = 8, 6, 32
 
 
-def pack_chunk(layer: int, kind: str, start: int, split: SplitKV, residual: bool) -> bytes:
-    tensors = {"codes": split.residual} if residual else {"codes": split.anchor, **split.meta}
-    out = [SUB.pack(layer, KINDS.index(kind), AXES.index(split.axis), start, split.shape[2]), bytes([len(tensors)])]
+def pack_tensors(tensors: dict) -> bytes:
+    """{name: tensor} → the self-describing table: count, then per tensor name, dtype code, rank, dims, raw bytes."""
+    out = [bytes([len(tensors)])]
     for name, t in tensors.items():
         nb = name.encode()
         t = t.contiguous()
@@ -31,23 +31,18 @@ def pack_chunk(layer: int, kind: str, start: int, split: SplitKV, residual: bool
     return b"".join(out)
 
 
-def unpack_chunk(payload: bytes):
-    """→ (layer, kind, axis, start, count, {name: tensor}); raises WireError on anything malformed."""
-    mv = memoryview(payload)
-    if len(mv) < SUB.size + 1:
-        raise WireError("chunk payload too short")
-    layer, kind, axis, start, count = SUB.unpack_from(mv, 0)
-    if kind > 1 or axis > 2:
-        raise WireError(f"bad chunk kind {kind} or axis {axis}")
-    pos = SUB.size
+def unpack_tensors(mv: memoryview, pos: int = 0) -> dict:
+    """The table at mv[pos:] (which it must fill exactly) → {name: tensor}; WireError on anything malformed."""
+    if pos >= len(mv):
+        raise WireError("tensor table missing")
     n = mv[pos]
     pos += 1
     if n > MAX_TENSORS:
-        raise WireError(f"{n} tensors in a chunk (at most {MAX_TENSORS})")
+        raise WireError(f"{n} tensors in a table (at most {MAX_TENSORS})")
     tensors = {}
     for _ in range(n):
         if pos >= len(mv):
-            raise WireError("chunk truncated in the tensor table")
+            raise WireError("truncated tensor table")
         ln = mv[pos]
         pos += 1
         if ln > MAX_NAME or pos + ln + TENS.size > len(mv):
@@ -71,14 +66,44 @@ def unpack_chunk(payload: bytes):
         tensors[name] = raw.view(dt).reshape(shape)
         pos += nbytes
     if pos != len(mv):
-        raise WireError(f"{len(mv) - pos} trailing bytes in chunk")
-    return layer, KINDS[kind], AXES[axis], start, count, tensors
+        raise WireError(f"{len(mv) - pos} trailing bytes after the tensor table")
+    return tensors
+
+
+def pack_chunk(layer: int, kind: str, start: int, split: SplitKV, residual: bool) -> bytes:
+    tensors = {"codes": split.residual} if residual else {"codes": split.anchor, **split.meta}
+    return SUB.pack(layer, KINDS.index(kind), AXES.index(split.axis), start, split.shape[2]) + pack_tensors(tensors)
+
+
+def unpack_chunk(payload: bytes):
+    """→ (layer, kind, axis, start, count, {name: tensor}); raises WireError on anything malformed."""
+    mv = memoryview(payload)
+    if len(mv) < SUB.size + 1:
+        raise WireError("chunk payload too short")
+    layer, kind, axis, start, count = SUB.unpack_from(mv, 0)
+    if kind > 1 or axis > 2:
+        raise WireError(f"bad chunk kind {kind} or axis {axis}")
+    return layer, KINDS[kind], AXES[axis], start, count, unpack_tensors(mv, SUB.size)
+
+
+def pack_logits(logits: torch.Tensor) -> bytes:
+    """FIRST payload: the prefill's last-position logits [B, V], in the model's dtype (exact)."""
+    return pack_tensors({"logits": logits.detach().cpu()})
+
+
+def unpack_logits(payload: bytes, batch: int, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    got = unpack_tensors(memoryview(payload))
+    t = got.get("logits")
+    if set(got) != {"logits"} or tuple(t.shape) != (batch, vocab) or t.dtype != dtype:
+        sig = {k: (tuple(v.shape), v.dtype) for k, v in got.items()}
+        raise WireError(f"FIRST carries {sig}, expected logits {(batch, vocab)} {dtype}")
+    return t
 
 
 @functools.lru_cache(maxsize=256)
 def _expected(config: LynxQuantConfig, kind: str, axis: str, shape: tuple, dtype: torch.dtype):
     """Shapes/dtypes the codec produces for this segment: (anchor codes, residual codes or None, {meta})."""
-    if config.is_split and axis in ("channel", "token"):
+    if codec(config).split and axis in ("channel", "token"):
         config = LynxQuantConfig(**{**config.to_dict(), ("key_axis" if kind == "key" else "value_axis"): axis})
     s = encode(torch.zeros(shape, dtype=dtype), config, kind, reference=True)
     sig = lambda t: (tuple(t.shape), t.dtype)
@@ -88,7 +113,7 @@ def _expected(config: LynxQuantConfig, kind: str, axis: str, shape: tuple, dtype
 def to_split(tensors, config: LynxQuantConfig, kind: str, axis: str, shape: tuple, dtype: torch.dtype) -> SplitKV:
     """An anchor chunk's tensors → SplitKV (residual None), after checking every shape and dtype."""
     anc, _, meta, want_axis = _expected(config, kind, axis, shape, dtype)
-    if config.is_split and axis != want_axis:
+    if codec(config).split and axis != want_axis:
         raise WireError(f"chunk axis {axis!r} is not valid for method {config.method!r}")
     got = {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}
     if got.get("codes") != anc or {k: v for k, v in got.items() if k != "codes"} != meta:

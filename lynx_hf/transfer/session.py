@@ -27,6 +27,12 @@ def fingerprint(model) -> str:
     return h.hexdigest()[:32]
 
 
+def logits_width(model) -> int:
+    """Columns of the model's logits (the output embedding's rows; the config's vocab_size without one)."""
+    emb = model.get_output_embeddings()
+    return int(emb.weight.shape[0]) if emb is not None else int(model.config.get_text_config().vocab_size)
+
+
 def _mac(secret: bytes, *parts: str) -> str:
     return hmac.new(secret, "|".join(parts).encode(), hashlib.sha256).hexdigest()
 
@@ -50,8 +56,8 @@ class Channel:
             self.t.wait_send(fut, 60)
         return fut
 
-    def send_chunk(self, stream: Stream, request_id: int, payload: bytes, priority: int):
-        return self.t.start_send(encode_frame(FrameType.CHUNK, stream, request_id, self._next(stream), payload), priority)
+    def send_binary(self, ftype: FrameType, stream: Stream, request_id: int, payload: bytes, priority: int):
+        return self.t.start_send(encode_frame(ftype, stream, request_id, self._next(stream), payload), priority)
 
     def recv(self, timeout: float | None = 30.0, expect: FrameType | None = None):
         f = self.t.recv(timeout)

@@ -11,7 +11,7 @@ import zlib
 from dataclasses import dataclass
 
 MAGIC = b"LYNX"
-VERSION = 1
+VERSION = 2  # 2: FIRST carries the prefill's logits; PROMPT declares vocab and sliding windows
 HEADER = struct.Struct("<4sBBBBIII I")  # magic, version, type, stream, flags, request_id, seq, length, crc32
 MAX_PAYLOAD = 64 << 20   # one frame's payload
 MAX_JSON = 4 << 20       # a control payload (prompt ids included)
@@ -25,10 +25,10 @@ class FrameType(enum.IntEnum):
     HELLO = 1     # JSON: protocol version, model fingerprint, nonce, HMAC (handshake)
     OK = 2        # JSON: handshake accepted (+ server's HMAC)
     REQUEST = 3   # JSON: request_id, input_ids, quant config
-    PROMPT = 4    # JSON: KV handshake — layers, batch, kv heads, head dim, dtype, prompt length, codec config
+    PROMPT = 4    # JSON: KV handshake — layers, windows, batch, kv heads, head dim, dtype, vocab, prompt length, codec
     CHUNK = 5     # binary: one segment of one layer's K or V, anchor or residual stream
-    FIRST = 6     # JSON: the prefill's first token
-    END = 7       # JSON: end of the request's streams (frame counts per stream)
+    FIRST = 6     # binary: the prefill's last-position logits [batch, vocab] (tensor table)
+    END = 7       # JSON: end of the request's streams (frame counts per stream, prefill time)
     ERROR = 8     # JSON: {"error": message}
 
 
