@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 
-import torch
 from tqdm import tqdm
 
 import lynx_hf
 from lynx_hf import LynxCache, LynxQuantConfig
-from lynx_hf.loader import InProcessLoader, prefill
+from lynx_hf.loader import prefill
 
 from .data import eval_prompts
 
@@ -21,12 +20,11 @@ def run(drafts: int = 31, as_json=False, model_name=None):
     model, tok = lynx_hf.load_default_model(model_name)
     res = {n: [] for n in DESIGNS}
     for ids in tqdm(eval_prompts(tok), desc="prompts", disable=as_json):
-        kv, first = prefill(model, ids)
+        kv, logits = prefill(model, ids)
         for name, cfg in DESIGNS.items():
-            cache = LynxCache(len(kv), ids.shape[1], cfg, dtype=kv[0][0].dtype)
-            InProcessLoader(kv, cfg, residual_after_tokens=drafts).attach(cache)
-            model.generate(torch.cat([ids, first], -1), cache=cache, custom_generate=lynx_hf.speculative_generate,
-                           max_new_tokens=drafts + 1, do_sample=False)
+            cache = LynxCache.from_kv(model, ids.shape[1], kv, logits, cfg, residual_after_tokens=drafts)
+            model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate,
+                           max_new_tokens=drafts + 2, do_sample=False)  # first token, drafts, one more
             res[name].append((cache.stats["accepted"], cache.stats["drafted"]))
     summary = {n: {"mean_accepted_fraction": sum(a / max(d, 1) for a, d in r) / len(r),
                    "accepted": sum(a for a, _ in r), "drafted": sum(d for _, d in r)} for n, r in res.items()}

@@ -1,7 +1,10 @@
-"""Where the shared, read-only data lives (never copied into the project): $LYNX_DATA, else ../shared/data next to
-the checkout or the working directory."""
+"""Where the shared, read-only evaluation data lives (never copied into the project): $LYNX_DATA, else ../shared/data
+next to the checkout or the working directory. `eval_prompts` builds the 20 evaluation prompts from any text and
+questions (tests pass their small fixtures)."""
 from __future__ import annotations
 
+import itertools
+import json
 import os
 from pathlib import Path
 
@@ -24,22 +27,28 @@ def mmlu_pro() -> Path:
     return data_dir() / "mmlu_pro" / "test.jsonl"
 
 
+def read_questions(path, limit: int | None = None) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in itertools.islice(f, limit)]
+
+
 LENGTHS = (256, 400, 600, 800, 1000, 1200, 1400, 1600, 1800, 2048)
+SHAKESPEARE_CHARS = 8 * 4096 + 1000  # enough text for every Shakespeare prompt
 
 
-def eval_prompts(tok, shakespeare_ids=None):
-    """20 prompts of 256–2048 tokens from the shared data: 10 many-shot MMLU-Pro, 10 Shakespeare stretches."""
-    import json
-
+def eval_prompts(tok, shakespeare_ids=None, questions: list[dict] | None = None):
+    """20 prompts of 256–2048 tokens: 10 many-shot MMLU-Pro (40 questions each, repeated to length), 10 Shakespeare
+    stretches. Defaults: the shared data (its first 400 questions)."""
     import torch
 
     if shakespeare_ids is None:
-        shakespeare_ids = tok(shakespeare().read_text()[:8 * 4096 + 1000], return_tensors="pt").input_ids
-    with open(mmlu_pro()) as f:
-        qs = [json.loads(line) for _, line in zip(range(400), f)]
+        shakespeare_ids = tok(shakespeare().read_text()[:SHAKESPEARE_CHARS], return_tensors="pt").input_ids
+    qs = questions if questions is not None else read_questions(mmlu_pro(), 400)
+    step = max(1, len(qs) // len(LENGTHS))
     out = []
     for i, n in enumerate(LENGTHS):
-        text = "".join(f"Question: {q['question']}\nAnswer: ({q['answer']})\n\n" for q in qs[i * 40:(i + 1) * 40])
+        shots = [qs[(i * step + j) % len(qs)] for j in range(40)]
+        text = "".join(f"Question: {q['question']}\nAnswer: ({q['answer']})\n\n" for q in shots)
         ids = tok(text, return_tensors="pt").input_ids
         ids = ids if ids.shape[1] >= n else torch.cat([ids] * (n // ids.shape[1] + 1), 1)
         out.append(ids[:, :n])

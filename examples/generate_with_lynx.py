@@ -1,6 +1,4 @@
 """Lynx in a few lines: prefill, ship the KV as anchor + residual, draft on the anchor, verify, keep decoding."""
-import torch
-
 import lynx_hf
 from lynx_hf import LynxCache, LynxQuantConfig
 
@@ -8,14 +6,14 @@ model, tok = lynx_hf.load_default_model()  # or lynx_hf.load_default_model("Hugg
 messages = [{"role": "user", "content": "Write a short poem about a lynx crossing a snowy network link."}]
 input_ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
 
-# Prefill node: full-precision prefill, first token, KV encoded as anchor (4 bit + metadata) and residual (4 bit).
-# Here both nodes are this process; the residual "lands" after 8 draft tokens.
-cache, first_token = LynxCache.from_prefill(model, input_ids, quant_config=LynxQuantConfig(), residual_after_tokens=8)
+# Prefill node: full-precision prefill; KV encoded as anchor (4 bit + metadata) and residual (4 bit), plus the
+# prompt's last-position logits. Here both nodes are this process; the residual "lands" after 8 draft steps.
+cache, _ = LynxCache.from_prefill(model, input_ids, quant_config=LynxQuantConfig(), residual_after_tokens=8)
 
-# Decode node: ordinary `generate`, with Lynx's draft -> verify loop plugged in.
+# Decode node: ordinary `generate` on the bare prompt, with Lynx's draft -> verify loop plugged in.
 streamer = lynx_hf.SpeculativeStreamer(tok)  # verified text plain, drafts dimmed until verified
-out = model.generate(torch.cat([input_ids, first_token], -1), cache=cache,
-                     custom_generate=lynx_hf.speculative_generate, max_new_tokens=48, do_sample=False,
+out = model.generate(input_ids, cache=cache, custom_generate=lynx_hf.speculative_generate, max_new_tokens=48,
+                     do_sample=False, repetition_penalty=1.1,
                      lynx_streamer=streamer)  # transformers 5.x drops `streamer=` for custom_generate callables
 print(tok.decode(out[0, input_ids.shape[1]:], skip_special_tokens=True))
 print({k: cache.stats[k] for k in ("drafted", "accepted", "ttft_draft_s", "ttft_verified_s", "verify_s")})

@@ -350,11 +350,23 @@ class LynxCache(Cache):
         prefill's logits in the cache (first_token is their argmax, for callers that append it themselves).
         The anchor lands at once; the residual after `residual_after_tokens` draft steps (None: at once), or, with
         bandwidth_bps (bits/s), both stream over a simulated link in a background thread."""
-        from .loader import InProcessLoader, prefill
+        from .loader import prefill
 
         kv, logits = prefill(model, input_ids, attention_mask)
-        cache = cls.for_model(model, input_ids.shape[1], quant_config=quant_config, spec_config=spec_config,
-                              dtype=kv[0][0].dtype, device=input_ids.device)
+        cache = cls.from_kv(model, input_ids.shape[1], kv, logits, quant_config, residual_after_tokens, spec_config,
+                            bandwidth_bps)
+        return cache, logits.argmax(-1, keepdim=True)
+
+    @classmethod
+    def from_kv(cls, model, prompt_len: int, kv, logits: torch.Tensor, quant_config: LynxQuantConfig | None = None,
+                residual_after_tokens: int | None = None, spec_config: SpecConfig | None = None,
+                bandwidth_bps: float | None = None) -> "LynxCache":
+        """A cache of a `prompt_len`-token prompt fed by an InProcessLoader from `loader.prefill`'s output (the KV
+        each layer needs, the last position's logits), e.g. to decode one prefill several times."""
+        from .loader import InProcessLoader
+
+        cache = cls.for_model(model, prompt_len, quant_config=quant_config,
+                              spec_config=spec_config, dtype=kv[0][0].dtype, device=kv[0][0].device)
         cache.put_logits(logits)
         InProcessLoader(kv, cache.quant_config, residual_after_tokens, bandwidth_bps).attach(cache)
-        return cache, logits.argmax(-1, keepdim=True)
+        return cache

@@ -116,7 +116,7 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
     cache = model_kwargs.get("cache")
     if not isinstance(cache, LynxCache):
         raise ValueError("speculative_generate needs cache=LynxCache(...) (e.g. from LynxCache.from_prefill)")
-    if gc.num_beams > 1 or gc.num_return_sequences > 1:
+    if (gc.num_beams or 1) > 1 or (gc.num_return_sequences or 1) > 1:
         raise ValueError("speculative_generate decodes one sequence per prompt row: num_beams > 1 and "
                          "num_return_sequences > 1 are not supported")
     if gc.output_attentions or gc.output_hidden_states:

@@ -23,6 +23,11 @@ def default_model_dir() -> str:
     return d
 
 
+def _is_path(name: str) -> bool:
+    """True for what can only be a local path: absolute, ~ or ./.. relative, or more than one '/' (a Hub id has one)."""
+    return os.path.isabs(name) or name.startswith(("~", "./", "../", ".\\", "..\\")) or name.count("/") > 1
+
+
 def load_default_model(name_or_path: str | None = None, dtype: torch.dtype = torch.float32, gguf_file: str | None = None,
                        device: str | None = None):
     """(model, tokenizer). name_or_path None → the embedded SmolLM2-135M-Instruct; else a Hub id or a local path
@@ -34,6 +39,8 @@ def load_default_model(name_or_path: str | None = None, dtype: torch.dtype = tor
         name_or_path, gguf_file = default_model_dir(), DEFAULT_GGUF
         if importlib.util.find_spec("gguf") is None:
             raise RuntimeError(f"Loading the embedded model needs the `gguf` package. Run: {INSTALL_HINT}")
+    elif _is_path(name_or_path) and not os.path.isdir(os.path.expanduser(name_or_path)):
+        raise FileNotFoundError(f"no such model folder: {name_or_path} (a Hub id looks like 'org/name')")
     kw = {"gguf_file": gguf_file} if gguf_file else {}
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()  # GGUF de-quantisation is chatty

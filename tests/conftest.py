@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 # Triton kernels run on CPU tensors through the interpreter here; this must be set before triton is imported.
 try:
@@ -13,6 +14,8 @@ if not _cuda:
 import pytest
 import torch
 
+FIXTURES = Path(__file__).parent / "fixtures"  # small public-data slices: tests never read ../shared
+
 
 @pytest.fixture(scope="session")
 def model_and_tok():
@@ -24,8 +27,20 @@ def model_and_tok():
 
 @pytest.fixture(scope="session")
 def shakespeare_ids(model_and_tok):
-    from lynx_hf.eval import data
-
     _, tok = model_and_tok
-    text = data.shakespeare().read_text()[:8 * 4096 + 1000]
-    return tok(text, return_tensors="pt").input_ids
+    return tok((FIXTURES / "shakespeare.txt").read_text(), return_tensors="pt").input_ids
+
+
+@pytest.fixture(scope="session")
+def questions():
+    from lynx_hf.eval.data import read_questions
+
+    return read_questions(FIXTURES / "mmlu_pro.jsonl")
+
+
+@pytest.fixture(scope="session")
+def eval_prompts(model_and_tok, shakespeare_ids, questions):
+    """The 20 evaluation prompts (256–2048 tokens), built from the fixtures."""
+    from lynx_hf.eval.data import eval_prompts
+
+    return eval_prompts(model_and_tok[1], shakespeare_ids, questions)

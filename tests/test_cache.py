@@ -104,3 +104,52 @@ def test_bandwidth_schedule_sends_anchor_first():
     cache.wait_residual(timeout=10)
     kinds = [e[1] for e in cache.events]
     assert kinds == ["anchor"] * 4 + ["residual"] * 4
+
+
+def test_sliding_layer_holds_its_window_and_says_so_in_the_mask_sizes():
+    data = [(torch.randn(1, 3, 70, 16), torch.randn(1, 3, 70, 16)),
+            (torch.randn(1, 3, 16, 16), torch.randn(1, 3, 16, 16))]  # layer 1: sliding window 16 → last 16 positions
+    cache = LynxCache(2, 70, Q(method="identity"), sliding_windows=[None, 16])
+    full, sliding = cache.layers
+    assert (sliding.held, sliding.offset, sliding.is_sliding) == (16, 54, True) and full.offset == 0
+    # before the first forward the prompt's last position is left for generate() to re-run
+    assert cache.get_seq_length() == 69 and cache.get_mask_sizes(1, 1) == (16, 54) and cache.get_mask_sizes(1, 0) == (70, 0)
+    with pytest.raises(ValueError, match=r"outside the layer's prompt KV \[54, 70\)"):
+        cache.put_anchor(1, "key", 0, encode_layers([data[0]], Q(method="identity"))[0][0])
+    InProcessLoader(data, Q(method="identity")).attach(cache)
+    cache.set_tier("full")
+    assert cache.get_seq_length() == 70 and cache.get_mask_sizes(3, 1) == (19, 54)
+    assert torch.equal(sliding.keys, data[1][0])
+    cache.update(torch.ones(1, 3, 3, 16), torch.ones(1, 3, 3, 16), 1)
+    assert sliding.get_seq_length() == 73 and sliding.get_mask_sizes(1) == (20, 54)
+    sliding.crop(-2)
+    assert sliding.get_seq_length() == 71
+    with pytest.raises(ValueError, match="prompt"):
+        sliding.crop(-2)
+    with pytest.raises(ValueError, match="negative"):
+        sliding.crop(3)
+
+
+def test_plain_forward_reruns_the_prompts_last_position_once():
+    data = kv(L=1, B=1)
+    cache = LynxCache(1, 70, Q(method="identity"))
+    InProcessLoader(data, Q(method="identity"), residual_after_tokens=2).attach(cache)
+    with pytest.warns(UserWarning, match="custom_generate"):
+        k, v = cache.update(torch.zeros(1, 3, 2, 16), torch.ones(1, 3, 2, 16), 0)  # positions 69 (re-run) and 70
+    assert k.shape[2] == 71 and torch.equal(k[:, :, :70], data[0][0]) and torch.equal(v[:, :, 70:], torch.ones(1, 3, 1, 16))
+    with pytest.raises(ValueError, match="num_beams"):
+        cache.update(torch.zeros(2, 3, 1, 16), torch.zeros(2, 3, 1, 16), 0)
+
+
+def test_prefill_logits_are_checked():
+    cache = LynxCache(1, 8)
+    with pytest.raises(ValueError, match=r"\[B, V\]"):
+        cache.put_logits(torch.zeros(5))
+    with pytest.raises(ValueError, match="NaN"):
+        cache.put_logits(torch.tensor([[0.0, float("nan")]]))
+    cache.put_logits(torch.zeros(1, 4))
+    with pytest.raises(ValueError, match="duplicate"):
+        cache.put_logits(torch.zeros(1, 4))
+    assert cache.wait_logits(timeout=0.1).shape == (1, 4)
+    with pytest.raises(LoaderError, match="timed out"):
+        LynxCache(1, 8).wait_logits(timeout=0.2)

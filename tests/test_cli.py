@@ -2,10 +2,13 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
 import lynx_hf
+
+TEXT = str(Path(__file__).parent / "fixtures" / "shakespeare.txt")
 
 
 def _run(*args, timeout=600):
@@ -15,7 +18,7 @@ def _run(*args, timeout=600):
 
 
 def test_codec_quality_json():
-    r = _run("codec-quality", "--json", "--contexts", "256", "--gen", "8", "--no-ablation")
+    r = _run("codec-quality", "--json", "--contexts", "256", "--gen", "8", "--no-ablation", "--text", TEXT)
     m = r["methods"]
     assert r["default"] == "lynx-anchor" and set(m) >= {"bf16", "int8", "kivi4", "kivi2", "paper-anchor", "lynx-full"}
     assert m["lynx-anchor"]["bits_per_value"] <= 4.5 and m["lynx-full"]["bits_per_value"] <= 8.5
@@ -31,9 +34,10 @@ def test_demo_two_processes(tmp_path):
 
 
 def test_cli_errors_are_one_line():
-    p = subprocess.run([sys.executable, "-m", "lynx_hf.cli", "serve-decode", "--prefill", "127.0.0.1:1", "--prompt", "x"],
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode != 0 and "Traceback" not in p.stderr and "error" in p.stderr
+    for args, says in ((["serve-decode", "--prefill", "127.0.0.1:1", "--prompt", "x"], "error"),
+                       (["demo", "--model", "/no/such/dir"], "no such model folder: /no/such/dir")):
+        p = subprocess.run([sys.executable, "-m", "lynx_hf.cli", *args], capture_output=True, text=True, timeout=300)
+        assert p.returncode != 0 and "Traceback" not in p.stderr and says in p.stderr, p.stderr[-2000:]
 
 
 def test_local_path_through_the_same_entry_point(tmp_path, model_and_tok):

@@ -1,60 +1,59 @@
-"""Lossless speculative generation inside model.generate, on the real default model (greedy, token for token) and
-on a tiny random MHA model (sampling, statistically)."""
+"""Lossless speculative generation inside model.generate, on the real default model (greedy and every deterministic
+option, token for token) and on a tiny random MHA model (sampling, first token included, statistically)."""
 import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import lynx_hf
 from lynx_hf import LynxCache, LynxQuantConfig as Q
-from lynx_hf.loader import InProcessLoader, prefill
-from lynx_hf.quant import decode, encode
+from lynx_hf.loader import prefill
+from reference import full_tier_greedy
 
 N_NEW = 24
 
 
-def prompts(tok, shakespeare_ids):
-    from lynx_hf.eval.data import eval_prompts
-
-    return eval_prompts(tok, shakespeare_ids)
-
-
-@torch.no_grad()
-def full_tier_greedy(model, kv, first, n, cfg):
-    c = DynamicCache(config=model.config)
-    for i, (k, v) in enumerate(kv):
-        c.update(decode(encode(k, cfg, "key"), "full"), decode(encode(v, cfg, "value"), "full"), i)
-    toks, nxt = [first], first
-    for _ in range(n - 1):
-        nxt = model(input_ids=nxt, cache=c, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-        toks.append(nxt)
-    return torch.cat(toks, 1)[0].tolist()
-
-
-def lynx_generate(model, ids, kv, first, cfg, after, **kw):
-    cache = LynxCache(len(kv), ids.shape[1], cfg, dtype=kv[0][0].dtype)
-    InProcessLoader(kv, cfg, residual_after_tokens=after).attach(cache)
-    out = model.generate(torch.cat([ids, first], -1), cache=cache, custom_generate=lynx_hf.speculative_generate,
-                         max_new_tokens=N_NEW - 1, **kw)
+def lynx_generate(model, ids, kv, logits, cfg, after, max_new_tokens=N_NEW, **kw):
+    cache = LynxCache.from_kv(model, ids.shape[1], kv, logits, cfg, residual_after_tokens=after)
+    out = model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate,
+                         max_new_tokens=max_new_tokens, **kw)
     return out[0, ids.shape[1]:].tolist(), cache.stats
 
 
-def test_greedy_is_lossless_on_20_prompts(model_and_tok, shakespeare_ids):
+def test_greedy_is_lossless_on_20_prompts(model_and_tok, eval_prompts):
     model, tok = model_and_tok
     cfg = Q()
     drafted = accepted = 0
-    for ids in prompts(tok, shakespeare_ids):
-        kv, first = prefill(model, ids)
-        ref = full_tier_greedy(model, kv, first, N_NEW, cfg)
+    for ids in eval_prompts:
+        kv, logits = prefill(model, ids)
+        ref = full_tier_greedy(model, ids.shape[1], kv, logits, cfg, N_NEW)[0]
         for after in (0, 1, 5, 31):
-            got, st = lynx_generate(model, ids, kv, first, cfg, after, do_sample=False)
+            got, st = lynx_generate(model, ids, kv, logits, cfg, after, do_sample=False)
             assert got == ref[:len(got)] and (len(got) == N_NEW or got[-1] == tok.eos_token_id), (ids.shape, after)
             assert st["drafted"] == (0 if after == 0 else min(after, N_NEW - 1))
             drafted, accepted = drafted + st["drafted"], accepted + st["accepted"]
     assert drafted > 0 and 0 < accepted <= drafted
 
 
-def test_from_prefill_api_and_identity_codec_equals_dynamic_cache(model_and_tok, shakespeare_ids):
+def test_every_option_equals_plain_generate_with_the_identity_codec(model_and_tok, shakespeare_ids):
     model, tok = model_and_tok
+    ids = shakespeare_ids[:, :300]
+    first = int(model.generate(ids, max_new_tokens=1, do_sample=False)[0, -1])
+    options = {"greedy": {}, "suppress_tokens": {"suppress_tokens": [first]}, "bad_words_ids": {"bad_words_ids": [[first]]},
+               "repetition_penalty": {"repetition_penalty": 1.3}, "no_repeat_ngram_size": {"no_repeat_ngram_size": 2},
+               "min_new_tokens": {"min_new_tokens": 3, "eos_token_id": first}}
+    kv, logits = prefill(model, ids)
+    for name, opt in options.items():
+        plain = model.generate(ids, max_new_tokens=10, do_sample=False, **opt)[0, ids.shape[1]:].tolist()
+        got, _ = lynx_generate(model, ids, kv, logits, Q(method="identity"), 0, 10, do_sample=False, **opt)
+        assert got == plain, name
+        drafted, st = lynx_generate(model, ids, kv, logits, Q(), 6, 10, do_sample=False, **opt)
+        assert drafted == lynx_generate(model, ids, kv, logits, Q(), 0, 10, do_sample=False, **opt)[0], name
+        assert st["drafted"] > 0
+    assert got != lynx_generate(model, ids, kv, logits, Q(method="identity"), 0, 10, do_sample=False)[0]
+
+
+def test_prompt_plus_first_token_form_still_works(model_and_tok, shakespeare_ids):
+    model, _ = model_and_tok
     ids = shakespeare_ids[:, :300]
     plain = model.generate(ids, max_new_tokens=12, do_sample=False)
     cache, first = LynxCache.from_prefill(model, ids, quant_config=Q(method="identity"), residual_after_tokens=4)
@@ -65,17 +64,27 @@ def test_from_prefill_api_and_identity_codec_equals_dynamic_cache(model_and_tok,
     assert cache.stats["drafted"] == 0  # identity ships in one stream: nothing to draft on, plain decoding
 
 
-def test_streamers_see_verified_and_provisional_tokens(model_and_tok, shakespeare_ids):
+def test_plain_generate_over_a_lynx_cache(model_and_tok, shakespeare_ids):
+    model, _ = model_and_tok
+    ids = shakespeare_ids[:, 100:400]
+    plain = model.generate(ids, max_new_tokens=8, do_sample=False)
+    cache, _ = LynxCache.from_prefill(model, ids, quant_config=Q(method="identity"), residual_after_tokens=3)
+    with pytest.warns(UserWarning, match="custom_generate=lynx_hf.speculative_generate"):
+        out = model.generate(ids, cache=cache, max_new_tokens=8, do_sample=False)
+    assert out.tolist() == plain.tolist()
+
+
+def test_streamers_see_every_generated_token(model_and_tok, shakespeare_ids):
     model, tok = model_and_tok
     ids = shakespeare_ids[:, :256]
     s = lynx_hf.SpeculativeStreamer()
-    cache, first = LynxCache.from_prefill(model, ids, residual_after_tokens=5)
-    out = model.generate(torch.cat([ids, first], -1), cache=cache, custom_generate=lynx_hf.speculative_generate,
-                         max_new_tokens=10, do_sample=False, lynx_streamer=s)
-    assert s.final == out[0, ids.shape[1] + 1:].tolist()
+    cache, _ = LynxCache.from_prefill(model, ids, residual_after_tokens=5)
+    out = model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate, max_new_tokens=10,
+                         do_sample=False, lynx_streamer=s)
+    assert s.final == out[0, ids.shape[1]:].tolist() and len(s.final) == 10  # the first token included
     kinds = [e[0] for e in s.events]
     assert kinds.count("provisional") == 5 and "retract" in kinds and kinds[-1] == "end"
-    # a standard Transformers streamer gets exactly the verified tokens
+    # a standard Transformers streamer gets the prompt, then exactly the generated tokens
     from transformers.generation.streamers import BaseStreamer
 
     class Collect(BaseStreamer):
@@ -89,29 +98,28 @@ def test_streamers_see_verified_and_provisional_tokens(model_and_tok, shakespear
             self.puts.append("end")
 
     c = Collect()
-    cache, first = LynxCache.from_prefill(model, ids, residual_after_tokens=3)
-    out = model.generate(torch.cat([ids, first], -1), cache=cache, custom_generate=lynx_hf.speculative_generate,
-                         max_new_tokens=6, do_sample=False, lynx_streamer=c)
-    assert c.puts[0] == out[0, :ids.shape[1] + 1].tolist() and c.puts[-1] == "end"
-    assert sum(c.puts[1:-1], []) == out[0, ids.shape[1] + 1:].tolist()
+    cache, _ = LynxCache.from_prefill(model, ids, residual_after_tokens=3)
+    out = model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate, max_new_tokens=6,
+                         do_sample=False, lynx_streamer=c)
+    assert c.puts[0] == ids[0].tolist() and c.puts[-1] == "end"
+    assert sum(c.puts[1:-1], []) == out[0, ids.shape[1]:].tolist()
 
 
 @pytest.mark.parametrize("after", [0, 20])
 def test_stop_strings_and_processors_apply_in_both_phases(model_and_tok, shakespeare_ids, after):
+    from transformers import StopStringCriteria, StoppingCriteriaList
+
     model, tok = model_and_tok
     ids = shakespeare_ids[:, :256]
     kw = dict(max_new_tokens=20, do_sample=False, repetition_penalty=1.3)
-    cache, first = LynxCache.from_prefill(model, ids, residual_after_tokens=None)  # full tier from the start
-    ref = model.generate(torch.cat([ids, first], -1), cache=cache, custom_generate=lynx_hf.speculative_generate, **kw)
-    text = tok.decode(ref[0, ids.shape[1] + 1:])
-    stop = text.strip().split()[2]  # a word a few tokens in
-    cache, first = LynxCache.from_prefill(model, ids, residual_after_tokens=after)
-    from transformers import StopStringCriteria, StoppingCriteriaList
-
-    out = model.generate(torch.cat([ids, first], -1), cache=cache, custom_generate=lynx_hf.speculative_generate,
+    cache, _ = LynxCache.from_prefill(model, ids, residual_after_tokens=None)  # full tier from the start
+    ref = model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate, **kw)[0, ids.shape[1]:]
+    stop = tok.decode(ref).strip().split()[2]  # a word a few tokens in
+    cache, _ = LynxCache.from_prefill(model, ids, residual_after_tokens=after)
+    out = model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate,
                          stopping_criteria=StoppingCriteriaList([StopStringCriteria(tok, [stop])]), **kw)
-    got = out[0, ids.shape[1] + 1:]
-    assert got.tolist() == ref[0, ids.shape[1] + 1: ids.shape[1] + 1 + len(got)].tolist()  # same tokens: processors ran
+    got = out[0, ids.shape[1]:]
+    assert got.tolist() == ref[:len(got)].tolist()  # same tokens: processors ran
     assert stop in tok.decode(got) and len(got) < 20  # stopped at the stop string, in either phase
 
 
@@ -123,24 +131,27 @@ def test_batch_with_left_padding(model_and_tok, shakespeare_ids):
     ids[0], ids[1, 60:] = a[0], b[0]
     mask = torch.ones(2, 200, dtype=torch.long)
     mask[1, :60] = 0
-    cache, first = LynxCache.from_prefill(model, ids, attention_mask=mask, residual_after_tokens=3)
-    out = model.generate(torch.cat([ids, first], -1), attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], -1),
-                         cache=cache, custom_generate=lynx_hf.speculative_generate, max_new_tokens=8, do_sample=False)
+    cache, _ = LynxCache.from_prefill(model, ids, attention_mask=mask, residual_after_tokens=3)
+    out = model.generate(ids, attention_mask=mask, cache=cache, custom_generate=lynx_hf.speculative_generate,
+                         max_new_tokens=8, do_sample=False)
     for row, single in ((0, a), (1, b)):
-        c1, f1 = LynxCache.from_prefill(model, single, residual_after_tokens=0)
-        o1 = model.generate(torch.cat([single, f1], -1), cache=c1, custom_generate=lynx_hf.speculative_generate,
-                            max_new_tokens=8, do_sample=False)
+        c1, _ = LynxCache.from_prefill(model, single, residual_after_tokens=0)
+        o1 = model.generate(single, cache=c1, custom_generate=lynx_hf.speculative_generate, max_new_tokens=8,
+                            do_sample=False)
         assert out[row, 200:].tolist() == o1[0, single.shape[1]:].tolist()
 
 
 def test_bad_calls_are_refused(model_and_tok, shakespeare_ids):
     model, _ = model_and_tok
     ids = shakespeare_ids[:, :64]
-    cache, first = LynxCache.from_prefill(model, ids)
-    with pytest.raises(ValueError, match="prompt tokens plus"):
-        model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate, max_new_tokens=2)
+    cache, _ = LynxCache.from_prefill(model, ids)
+    with pytest.raises(ValueError, match="prompt tokens"):
+        model.generate(ids[:, :10], cache=cache, custom_generate=lynx_hf.speculative_generate, max_new_tokens=2)
     with pytest.raises(ValueError, match="LynxCache"):
         model.generate(ids, custom_generate=lynx_hf.speculative_generate, max_new_tokens=2)
+    model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate, max_new_tokens=2)
+    with pytest.raises(ValueError, match="already used"):
+        model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate, max_new_tokens=2)
 
 
 def tiny_mha():
@@ -155,29 +166,32 @@ def tiny_mha():
 
 
 def test_sampling_follows_the_full_tier_distribution_on_an_mha_model():
-    """Distribution of (token 2, token 3) — both decided by verification — vs plain sampling with full-tier KV.
-    Chi-square homogeneity with a 1e-3 critical value: fails spuriously once in a thousand runs at most."""
+    """Joint distribution of the first three tokens — the first sampled from the prefill's logits, the next two
+    decided by verification — vs plain sampling with full-tier KV. Chi-square homogeneity with a 1e-3 critical
+    value: fails spuriously once in a thousand runs at most."""
     from scipy.stats import chi2_contingency
 
     m = tiny_mha()
     ids = torch.randint(2, 12, (1, 40), generator=torch.Generator().manual_seed(1))
     cfg = Q(alpha=8.0)  # a coarse anchor: many drafts get rejected, so the rule is exercised
-    kv, first = prefill(m, ids)
-    N = 1500
-    gen = dict(do_sample=True, temperature=1.0, top_k=0, max_new_tokens=3)
+    kv, logits = prefill(m, ids)
+    c = DynamicCache(config=m.config)
+    for li, (k, v) in enumerate(kv):
+        c.update(lynx_hf.quant.decode(lynx_hf.quant.encode(k, cfg, "key"), "full"),
+                 lynx_hf.quant.decode(lynx_hf.quant.encode(v, cfg, "value"), "full"), li)
+    N, gen = 1500, dict(do_sample=True, temperature=1.0, top_k=0)
     spec, ref = [], []
     for i in range(N):
-        cache = LynxCache(2, 40, cfg)
-        InProcessLoader(kv, cfg, residual_after_tokens=2).attach(cache)
         torch.manual_seed(10_000 + i)
-        out = m.generate(torch.cat([ids, first], -1), cache=cache, custom_generate=lynx_hf.speculative_generate, **gen)
-        spec.append(tuple(out[0, 41:43].tolist()))
-        c = DynamicCache(config=m.config)
-        for li, (k, v) in enumerate(kv):
-            c.update(decode(encode(k, cfg, "key"), "full"), decode(encode(v, cfg, "value"), "full"), li)
-        torch.manual_seed(20_000 + i)
-        out = m.generate(torch.cat([ids, first], -1), cache=c, **gen)
-        ref.append(tuple(out[0, 41:43].tolist()))
+        got, st = lynx_generate(m, ids, kv, logits, cfg, 2, 3, **gen)
+        spec.append(tuple(got))
+        torch.manual_seed(20_000 + i)  # reference: first token from the same logits, then full-tier KV
+        probs = torch.softmax(logits.float(), -1)
+        first = torch.multinomial(probs, 1)
+        c.crop(ids.shape[1] - c.get_seq_length())
+        out = m.generate(torch.cat([ids, first], -1), cache=c, max_new_tokens=2, **gen)
+        ref.append(tuple(out[0, 40:43].tolist()))
+    assert sum(1 for s in spec if s[0] != spec[0][0]) > 0  # the first token is sampled
     keys = sorted(set(spec) | set(ref))
     table = [[spec.count(k) for k in keys], [ref.count(k) for k in keys]]
     cols = [j for j in range(len(keys)) if table[0][j] + table[1][j] >= 10]  # pool sparse cells
@@ -186,21 +200,3 @@ def test_sampling_follows_the_full_tier_distribution_on_an_mha_model():
     t = [[a for a, b in zip(t[0], t[1]) if a + b > 0], [b for a, b in zip(t[0], t[1]) if a + b > 0]]
     p = chi2_contingency(t)[1]
     assert p > 1e-3, (p, t)
-
-
-def test_greedy_lossless_on_a_tiny_mha_qwen2():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    m = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                                     num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)).eval()
-    ids = torch.randint(0, 64, (1, 120), generator=torch.Generator().manual_seed(3))
-    kv, first = prefill(m, ids)
-    ref = full_tier_greedy(m, kv, first, 16, Q())
-    for after in (0, 2, 9):
-        cache = LynxCache(len(kv), ids.shape[1], Q())
-        InProcessLoader(kv, Q(), residual_after_tokens=after).attach(cache)
-        out = m.generate(torch.cat([ids, first], -1), cache=cache, custom_generate=lynx_hf.speculative_generate,
-                         max_new_tokens=15, do_sample=False)
-        assert out[0, ids.shape[1]:].tolist() == ref
-        assert cache.stats["drafted"] == after

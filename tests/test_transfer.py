@@ -13,6 +13,7 @@ from lynx_hf.transfer import prefill as P
 from lynx_hf.transfer.decode import DecodeClient, NetworkLoader
 from lynx_hf.transfer.session import Channel
 from lynx_hf.transfer.transport import InProcTransport, TcpTransport
+from lynx_hf.transfer.serde import pack_logits
 from lynx_hf.transfer.wire import FrameType, Stream, WireError, encode_frame
 
 
@@ -35,13 +36,51 @@ def test_lossless_over_tcp_and_same_as_in_process(server, model_and_tok, prompt)
     spec = cli.generate(prompt, Q(), max_new_tokens=12)
     ref = cli.generate(prompt, Q(), max_new_tokens=12, speculative=False)
     cli.close()
-    assert spec["tokens"] == ref["tokens"]
-    cache, first = LynxCache.from_prefill(model, torch.tensor([prompt]), residual_after_tokens=0)
-    local = model.generate(torch.cat([torch.tensor([prompt]), first], -1), cache=cache,
-                           custom_generate=lynx_hf.speculative_generate, max_new_tokens=12, do_sample=False)
+    assert spec["tokens"] == ref["tokens"] and len(spec["tokens"]) == 12  # the first token counts
+    cache, _ = LynxCache.from_prefill(model, torch.tensor([prompt]), residual_after_tokens=0)
+    local = model.generate(torch.tensor([prompt]), cache=cache, custom_generate=lynx_hf.speculative_generate,
+                           max_new_tokens=12, do_sample=False)
     assert spec["tokens"] == local[0, len(prompt):].tolist()
     kinds = [e[1] for e in spec["events"]]
     assert kinds.count("anchor") == kinds.count("residual") == 30 * 2 * 2  # 30 layers × K/V × 2 segments
+
+
+def test_generation_options_apply_to_the_first_token_over_the_wire(server, model_and_tok, prompt):
+    """The prefill ships its logits, so the decode side's options decide the first token too."""
+    model, _ = model_and_tok
+    ids = prompt[:80]
+    first = int(model.generate(torch.tensor([ids]), max_new_tokens=1, do_sample=False)[0, -1])
+    opt = {"suppress_tokens": [first], "repetition_penalty": 1.3}
+    plain = model.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False, **opt)[0, len(ids):].tolist()
+    cli = DecodeClient(model, *server.address, secret="s3cret")
+    assert cli.generate(ids, Q(method="identity"), max_new_tokens=5, **opt)["tokens"] == plain
+    firsts = {cli.generate(ids, Q(), max_new_tokens=1, do_sample=True, temperature=3.0, top_k=0)["tokens"][0]
+              for _ in range(8)}
+    cli.close()
+    assert len(firsts) >= 3  # sampled, not the prefill's argmax
+
+
+def test_sliding_window_model_over_tcp():
+    """A sliding layer ships only its window's positions; the output is plain generate's (identity codec) and
+    drafting changes nothing (default codec)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    m = tf.MistralForCausalLM(tf.MistralConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                               num_attention_heads=4, num_key_value_heads=2, sliding_window=8)).eval()
+    ids = torch.randint(3, 96, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    plain = m.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, 40:].tolist()
+    srv = P.PrefillServer(m, secret="w").start()
+    try:
+        cli = DecodeClient(m, *srv.address, secret="w")
+        got = cli.generate(ids, Q(method="identity"), max_new_tokens=8)
+        assert got["tokens"] == plain and {e[2] for e in got["events"]} == {0, 1, 2}
+        assert got["bytes"] == 3 * 2 * 1 * 2 * 8 * 16 * 4  # layers × K/V × batch × heads × window × head_dim × fp32
+        assert cli.generate(ids, Q(), max_new_tokens=8)["tokens"] == cli.generate(ids, Q(), max_new_tokens=8,
+                                                                                 speculative=False)["tokens"]
+        cli.close()
+    finally:
+        srv.close()
 
 
 def test_anchor_frames_overtake_queued_residual_frames():
@@ -84,7 +123,7 @@ def test_server_survives_garbage_and_serves_the_next_client(server, model_and_to
         cli.ch.recv(10, FrameType.PROMPT)
     cli.close()
     cli = DecodeClient(model, *server.address, secret="s3cret")
-    assert len(cli.generate(prompt[:50], Q(), max_new_tokens=3)["tokens"]) == 4
+    assert len(cli.generate(prompt[:50], Q(), max_new_tokens=3)["tokens"]) == 3
     cli.close()
 
 
@@ -124,7 +163,8 @@ def test_peer_vanishing_mid_stream_is_a_clear_error(model_and_tok, prompt, monke
 def _loader_over_inproc(frames):
     """Feed hand-made frames to a NetworkLoader; return the cache after the loader stopped."""
     a, b = InProcTransport.pair()
-    prompt = {"num_layers": 1, "batch": 1, "kv_heads": 3, "head_dim": 64, "dtype": "float32", "prompt_len": 64}
+    prompt = {"num_layers": 1, "windows": [None], "batch": 1, "kv_heads": 3, "head_dim": 64, "dtype": "float32",
+              "vocab": 10, "prompt_len": 64}
     cache = LynxCache(1, 64, Q(), timeout_s=5)
     NetworkLoader(Channel(b), prompt, rid=1, timeout_s=2).attach(cache)
     for f in frames:
@@ -196,3 +236,11 @@ def test_torch_distributed_transport_gloo():
         p.join(60)
     assert sorted(got) == sorted([("RESIDUAL", i, 100) for i in range(3)] + [("ANCHOR", i, 10) for i in range(3)])
     assert all(p.exitcode == 0 for p in ps)
+
+
+@pytest.mark.parametrize("logits,msg", [(torch.zeros(1, 11), "expected logits"), (torch.zeros(1, 10).half(), "expected"),
+                                        (torch.full((1, 10), float("nan")), "NaN")])
+def test_first_frame_with_bad_logits_fails_the_cache(logits, msg):
+    cache = _loader_over_inproc([encode_frame(FrameType.FIRST, Stream.CONTROL, 1, 0, pack_logits(logits))])
+    with pytest.raises(LoaderError, match=msg):
+        cache.wait_logits(timeout=5)

@@ -1,0 +1,141 @@
+"""speculative_generate's control flow with a scripted fake model whose next token depends on the KV tier, in
+milliseconds: residual arriving mid-draft, EOS among drafts (rejected and accepted), length limits, one row
+finishing early, a loader failing mid-draft, stats and the provisional stream."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import GenerationConfig, LogitsProcessorList
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+
+from lynx_hf import LoaderError, LynxCache, LynxQuantConfig as Q, SpeculativeStreamer, speculative_generate
+from lynx_hf.loader import InProcessLoader
+
+P, V, EOS, PAD = 6, 16, 1, 0
+
+
+class ScriptedLM:
+    """Generated token g of row b is full[b][g] on the full tier and anchor[b][g] on the anchor tier (g = 0 is the
+    prefill's first token), whatever came before: a fake causal LM over a one-layer LynxCache."""
+
+    def __init__(self, full, anchor):
+        self.full, self.anchor = full, anchor
+        self.forwards = []  # (tier, number of new tokens)
+
+    def __call__(self, input_ids, cache, use_cache=True, logits_to_keep=1, **kw):
+        B, n = input_ids.shape
+        start = cache.get_seq_length()
+        kv = torch.zeros(B, 1, n, 2)
+        cache.update(kv, kv, 0)
+        tier = cache.layers[0].tier
+        script = self.full if tier == "full" else self.anchor
+        self.forwards.append((tier, n))
+        logits = torch.full((B, n, V), -10.0)
+        for b in range(B):
+            for j in range(n):
+                g = start + j + 1 - P  # the generated index this position predicts
+                logits[b, j, script[b][g]] = 10.0
+        return SimpleNamespace(logits=logits[:, -logits_to_keep:])
+
+
+class FailingLoader(InProcessLoader):
+    def on_draft(self, n):
+        if n >= 2:
+            self.cache.fail(ConnectionError("peer vanished mid-residual"))
+
+
+def generate(full, anchor, after, max_new, eos=None, streamer=None, loader=InProcessLoader):
+    B = len(full)
+    model = ScriptedLM(full, anchor)
+    cache = LynxCache(1, P, Q(), timeout_s=5)
+    g = torch.Generator().manual_seed(0)
+    loader([(torch.randn(B, 1, P, 2, generator=g), torch.randn(B, 1, P, 2, generator=g))], Q(),
+           residual_after_tokens=after).attach(cache)
+    cache.put_logits(torch.stack([torch.nn.functional.one_hot(torch.tensor(r[0]), V).float() * 20 for r in full]))
+    gc = GenerationConfig(max_new_tokens=max_new, do_sample=False, pad_token_id=PAD, eos_token_id=eos)
+    gc._pad_token_tensor = torch.tensor(PAD)
+    sc = StoppingCriteriaList([MaxLengthCriteria(P + max_new)] + ([EosTokenCriteria(eos)] if eos is not None else []))
+    ids = torch.full((B, P), 5)
+    out = speculative_generate(model, ids, LogitsProcessorList(), sc, gc, cache=cache, lynx_streamer=streamer)
+    return out[:, P:].tolist(), cache.stats, model
+
+
+FULL = [2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
+
+
+def test_residual_mid_draft_keeps_the_agreeing_prefix_and_corrects():
+    anchor = [[2, 3, 9, 5, 6, 7, 8, 9, 10, 11, 12, 13]]  # wrong at g = 2
+    got, st, m = generate([FULL], anchor, after=4, max_new=8)
+    assert got == [FULL[:8]]
+    assert (st["drafted"], st["accepted"], st["rounds"]) == (4, 1, 1)  # drafts g=1..4; g=1 stands, g=2 corrected
+    # one verification pass over [first token, 4 drafts], then one decode step per remaining token
+    assert m.forwards == [("anchor", 1)] * 4 + [("full", 5)] + [("full", 1)] * 5
+
+
+def test_all_drafts_accepted_gives_the_bonus_token():
+    got, st, m = generate([FULL], [FULL], after=3, max_new=5)
+    assert got == [FULL[:5]] and (st["drafted"], st["accepted"]) == (3, 3)
+    assert m.forwards == [("anchor", 1)] * 3 + [("full", 4)]  # first + 3 drafts + bonus = 5: no decode step
+
+
+def test_eos_drafted_on_the_anchor_tier_is_rejected():
+    anchor = [[2, 3, EOS, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
+    got, st, _ = generate([FULL], anchor, after=6, max_new=6, eos=EOS)
+    assert got == [FULL[:6]]
+    assert (st["drafted"], st["accepted"]) == (2, 1)  # drafting stopped at the EOS draft, which was rejected
+
+
+def test_eos_accepted_as_the_last_draft_ends_generation_and_counts():
+    full = [[2, 3, EOS, 5, 6, 7, 8, 9]]
+    s = SpeculativeStreamer()
+    got, st, _ = generate(full, full, after=6, max_new=8, eos=EOS, streamer=s)
+    assert got == [[2, 3, EOS]]
+    assert (st["drafted"], st["accepted"]) == (2, 2)
+    assert s.final == [2, 3, EOS] and ("retract", []) in s.events and s.events[-1] == ("end", [])
+
+
+def test_length_limit_bounds_the_drafts():
+    got, st, _ = generate([FULL], [FULL], after=10, max_new=3)
+    assert got == [FULL[:3]] and (st["drafted"], st["accepted"]) == (2, 2)
+
+
+def test_max_new_tokens_one_needs_no_kv():
+    got, st, m = generate([FULL], [FULL], after=10, max_new=1)
+    assert got == [FULL[:1]] and m.forwards == [] and st["drafted"] == 0
+
+
+def test_one_row_finishing_at_its_first_token_is_padded():
+    full = [FULL, [EOS, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
+    anchor = [[2, 3, 4, 9, 6, 7, 8, 9, 10, 11, 12, 13], full[1]]
+    got, st, _ = generate(full, anchor, after=4, max_new=7, eos=EOS)
+    assert got == [FULL[:7], [EOS] + [PAD] * 6]
+    assert st["accepted"] == 2  # row 0 rejects g = 3; the finished row does not count
+
+
+def test_provisional_stream_retracts_rejected_drafts():
+    anchor = [[2, 3, 9, 9, 6, 7, 8, 9, 10, 11, 12, 13]]
+    s = SpeculativeStreamer()
+    got, _, _ = generate([FULL], anchor, after=3, max_new=6, streamer=s)
+    assert s.final == got[0] == FULL[:6]  # the first generated token included
+    assert [e for e in s.events if e[0] in ("provisional", "retract")] == [
+        ("provisional", [3]), ("provisional", [9]), ("provisional", [9]), ("retract", [9, 9])]
+
+
+def test_loader_failure_mid_draft_retracts_and_ends_the_stream():
+    s = SpeculativeStreamer()
+    with pytest.raises(LoaderError, match="peer vanished"):
+        generate([FULL], [FULL], after=5, max_new=8, streamer=s, loader=FailingLoader)
+    assert s.final == [FULL[0]]  # only the first token, from the prefill's logits, was ever final
+    kinds = [e[0] for e in s.events]
+    assert kinds[-2:] == ["retract", "end"] and s.events[-2] == ("retract", [3, 4])
+
+
+def test_misuse_is_refused():
+    cache = LynxCache(1, P, Q())
+    gc = GenerationConfig(max_new_tokens=2)
+    args = (ScriptedLM([FULL], [FULL]), torch.full((1, P + 2), 5), LogitsProcessorList(),
+            StoppingCriteriaList([MaxLengthCriteria(P + 4)]), gc)
+    with pytest.raises(ValueError, match="prompt tokens"):
+        speculative_generate(*args, cache=cache)
+    with pytest.raises(ValueError, match="num_return_sequences"):
+        speculative_generate(*args[:4], GenerationConfig(num_return_sequences=2, do_sample=True), cache=cache)
