@@ -3,8 +3,9 @@
 This process is the decode side; it starts `lynx-hf serve-prefill` as a child process, then sends the same prompt
 with BF16, INT8, INT4 (KIVI-4) and Lynx, and a Lynx run with drafting off (the full-tier reference). TTFT is measured
 from sending the request (its arrival at the prefill process, on loopback) to the first token the decode process
-generates itself (for Lynx, a provisional draft; `ttft_verified_s` the first verified one); TT32T to 32 verified
-tokens. Prints a table, writes JSON + a PNG timeline, and ends with one JSON line."""
+emits: the prefill's logits (sent right after the last anchor frame) picked through the decode side's options, so it
+is verified at once; TT32T to 32 verified tokens. Prints a table, writes JSON + a PNG timeline, and ends with one
+JSON line."""
 from __future__ import annotations
 
 import json
