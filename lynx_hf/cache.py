@@ -81,8 +81,9 @@ class LynxLayer(CacheLayerMixin):
         if start < self.offset or end > self.prompt_len:
             raise ValueError(f"segment [{start}, {end}) lies outside the layer's prompt KV [{self.offset}, "
                              f"{self.prompt_len})")
-        if start in self.segments[kind]:
-            raise ValueError(f"duplicate anchor segment for {kind} at token {start}")
+        for s0, seg in self.segments[kind].items():  # coverage is a set of disjoint intervals
+            if start < s0 + seg.shape[2] and s0 < end:
+                raise ValueError(f"{kind} segment [{start}, {end}) overlaps [{s0}, {s0 + seg.shape[2]}) (duplicate?)")
         self.segments[kind][start] = split
 
     def put_residual(self, kind: str, start: int, residual: torch.Tensor) -> None:

@@ -26,6 +26,12 @@ def _bench(a):
         bench_codec.run(tokens=a.tokens, as_json=a.json)
 
 
+def _demo(a):
+    from lynx_hf.eval import demo
+
+    demo.run(a.prompt_file, a.tokens, a.bandwidth_mbps * 1e6, a.new_tokens, a.json, a.out, a.model)
+
+
 def _acceptance(a):
     from lynx_hf.eval import acceptance
 
@@ -58,16 +64,26 @@ def main(argv=None):
     c.add_argument("--json", action="store_true")
     c.set_defaults(fn=_acceptance)
 
-    from lynx_hf import demo_cli  # the transfer/demo commands register themselves
+    d = sub.add_parser("demo", help="prefill and decode processes over loopback TCP: BF16 / INT8 / INT4 / Lynx")
+    d.add_argument("--prompt-file", help="any text file (default: Python standard-library source)")
+    d.add_argument("--tokens", type=int, default=1024, help="prompt length in tokens")
+    d.add_argument("--bandwidth-mbps", type=float, default=15.0, help="link emulator, Mbit/s")
+    d.add_argument("--new-tokens", type=int, default=32)
+    d.add_argument("--out", default="runs", help="folder for demo.json and demo_timeline.png")
+    d.add_argument("--model", help="Hub id or local path (default: embedded SmolLM2-135M-Instruct)")
+    d.add_argument("--json", action="store_true", help="print only the final JSON line")
+    d.set_defaults(fn=_demo)
 
-    demo_cli.register(sub)
+    from lynx_hf.transfer import commands  # serve-prefill, serve-decode
+
+    commands.register(sub)
     a = p.parse_args(argv)
     from lynx_hf.cache import LoaderError
     from lynx_hf.transfer.wire import WireError
 
     try:
         return a.fn(a)
-    except (WireError, LoaderError, ConnectionError, TimeoutError, FileNotFoundError) as e:
+    except (WireError, LoaderError, ConnectionError, TimeoutError, FileNotFoundError, ValueError) as e:
         print(f"lynx-hf {a.cmd}: error: {e}", file=sys.stderr)
         return 1
 

@@ -18,6 +18,7 @@ from transformers import DynamicCache
 
 from .cache import layer_windows
 from .config import LynxQuantConfig
+from .link import LinkEmulator
 from .quant import SplitKV, encode
 
 
@@ -125,8 +126,6 @@ class InProcessLoader(Loader):
 
     def _link(self):
         """Anchor of every layer, then residual of every layer, over one link of `bw` bits/s (strict priority)."""
-        from .transfer.transport import LinkEmulator
-
         link = LinkEmulator(self.bw, self.latency)
         try:
             for stream in ("anchor", "full"):

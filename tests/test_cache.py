@@ -153,3 +153,14 @@ def test_prefill_logits_are_checked():
     assert cache.wait_logits(timeout=0.1).shape == (1, 4)
     with pytest.raises(LoaderError, match="timed out"):
         LynxCache(1, 8).wait_logits(timeout=0.2)
+
+
+def test_overlapping_segments_are_refused():
+    """Coverage is a set of disjoint intervals: [0, 2) + [1, 3) of a 4-token prompt is not 'complete'."""
+    x = encode_layers([(torch.randn(1, 1, 2, 4), torch.randn(1, 1, 2, 4))], Q(method="identity"))[0][0]
+    cache = LynxCache(1, 4, Q(method="identity"))
+    cache.put_anchor(0, "key", 0, x)
+    with pytest.raises(ValueError, match=r"overlaps \[0, 2\)"):
+        cache.put_anchor(0, "key", 1, x)
+    cache.put_anchor(0, "key", 2, x)
+    assert cache.layers[0]._covered("key") == 4

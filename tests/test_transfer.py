@@ -85,7 +85,8 @@ def test_sliding_window_model_over_tcp():
 
 def test_anchor_frames_overtake_queued_residual_frames():
     """While the (emulated) link is busy, every queued anchor frame leaves before any queued residual frame."""
-    from lynx_hf.transfer.transport import PRIO_ANCHOR, PRIO_RESIDUAL, LinkEmulator
+    from lynx_hf.link import LinkEmulator
+    from lynx_hf.transfer.transport import PRIO_ANCHOR, PRIO_RESIDUAL
 
     a, b = InProcTransport.pair(LinkEmulator(bandwidth_bps=8 * 20_000))  # 20 kB/s: 50 ms per 1 kB frame
     fr = lambda s, i: encode_frame(FrameType.CHUNK, s, 1, i, bytes(1000))
@@ -212,10 +213,26 @@ def _dist_worker(rank, port, q):
                  for i in range(3)]
         for f in futs:
             t.wait_send(f, 30)
+        got = [(f.stream.name, f.seq, len(f.payload)) for f in (t.recv(30) for _ in range(2))]  # while it sends too
     else:
-        got = [t.recv() for _ in range(6)]
-        q.put([(f.stream.name, f.seq, len(f.payload)) for f in got])
-    t.close()
+        t.start_send(encode_frame(FrameType.OK, Stream.CONTROL, 1, 0, b"{}"))
+        t.start_send(encode_frame(FrameType.OK, Stream.CONTROL, 1, 1, b"{}"))
+        got = [(f.stream.name, f.seq, len(f.payload)) for f in (t.recv(30) for _ in range(6))]
+        t0 = time.monotonic()
+        try:
+            t.recv(timeout=0.5)  # nothing comes: a timeout, not a hang
+        except TimeoutError:
+            got.append(("timeout", time.monotonic() - t0 < 5))
+    dist.barrier()
+    t2 = DistTransport(peer=1 - rank)  # a fresh pair: the peer closing is noticed
+    if rank == 0:
+        t2.close()
+    else:
+        try:
+            t2.recv(timeout=30)
+        except Exception as e:  # noqa: BLE001
+            got.append(type(e).__name__)
+    q.put((rank, got))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -231,16 +248,10 @@ def test_torch_distributed_transport_gloo():
     ps = [ctx.Process(target=_dist_worker, args=(r, port, q)) for r in (0, 1)]
     for p in ps:
         p.start()
-    got = q.get(timeout=120)
+    got = dict(q.get(timeout=120) for _ in ps)
     for p in ps:
         p.join(60)
-    assert sorted(got) == sorted([("RESIDUAL", i, 100) for i in range(3)] + [("ANCHOR", i, 10) for i in range(3)])
+    assert got[0] == [("CONTROL", 0, 2), ("CONTROL", 1, 2)]
+    assert sorted(got[1][:6]) == sorted([("RESIDUAL", i, 100) for i in range(3)] + [("ANCHOR", i, 10) for i in range(3)])
+    assert got[1][6:] == [("timeout", True), "PeerClosed"]
     assert all(p.exitcode == 0 for p in ps)
-
-
-@pytest.mark.parametrize("logits,msg", [(torch.zeros(1, 11), "expected logits"), (torch.zeros(1, 10).half(), "expected"),
-                                        (torch.full((1, 10), float("nan")), "NaN")])
-def test_first_frame_with_bad_logits_fails_the_cache(logits, msg):
-    cache = _loader_over_inproc([encode_frame(FrameType.FIRST, Stream.CONTROL, 1, 0, pack_logits(logits))])
-    with pytest.raises(LoaderError, match=msg):
-        cache.wait_logits(timeout=5)

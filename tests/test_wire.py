@@ -17,7 +17,9 @@ def test_frame_roundtrip_exact():
     buf = encode_frame(FrameType.CHUNK, Stream.RESIDUAL, 7, 3, b"\x00\x01payload")
     f = decode_frame(buf)
     assert (f.type, f.stream, f.request_id, f.seq, f.payload) == (FrameType.CHUNK, Stream.RESIDUAL, 7, 3, b"\x00\x01payload")
-    assert decode_frame(json_frame(FrameType.FIRST, 1, 0, {"token": 5})).json() == {"token": 5}
+    assert decode_frame(json_frame(FrameType.OK, 1, 0, {"mac": "5"})).json() == {"mac": "5"}
+    with pytest.raises(WireError, match="limit of 4096"):  # e.g. before the handshake: refused from the header
+        decode_frame(encode_frame(FrameType.HELLO, Stream.CONTROL, 0, 0, bytes(5000)), limit=4096)
 
 
 @pytest.mark.parametrize("mutate,msg", [
@@ -27,7 +29,7 @@ def test_frame_roundtrip_exact():
     (lambda b: b"XXXX" + b[4:], "magic"),
     (lambda b: b[:4] + bytes([9]) + b[5:], "version"),
     (lambda b: b[:5] + bytes([77]) + b[6:], "unknown frame type"),
-    (lambda b: b[:16] + struct.pack("<I", MAX_PAYLOAD + 1) + b[20:], "exceeds MAX_PAYLOAD"),
+    (lambda b: b[:16] + struct.pack("<I", MAX_PAYLOAD + 1) + b[20:], "exceeds the limit"),
     (lambda b: b + b"x", "trailing"),
 ])
 def test_bad_frames(mutate, msg):
@@ -88,19 +90,48 @@ def test_fuzz_random_bytes_only_raise_wire_error(data):
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.integers(0, 10_000), st.integers(0, 255), st.binary(max_size=8))
-def test_fuzz_mutated_frames_and_chunks(pos, byte, extra):
+@given(st.integers(0, 10_000), st.integers(1, 255), st.binary(min_size=1, max_size=8))
+def test_fuzz_every_mutated_frame_is_rejected(pos, flip, extra):
+    """A changed byte anywhere (CRC32 catches every burst of up to 32 bits), a cut, or trailing bytes: WireError."""
     s = encode(torch.randn(1, 3, 8, 64), Q(), "key")
     good = encode_frame(FrameType.CHUNK, Stream.ANCHOR, 1, 0, pack_chunk(0, "key", 0, s, False))
     bad = bytearray(good)
-    bad[pos % len(bad)] = byte
+    bad[pos % len(bad)] ^= flip
     for buf in (bytes(bad), good + extra, good[: pos % len(good)]):
-        try:
-            f = decode_frame(buf)
-            layer, kind, axis, start, count, t = unpack_chunk(f.payload)
-            to_split(t, Q(), kind, axis, (1, 3, count, 64), torch.float32)
-        except WireError:
-            pass
+        with pytest.raises(WireError):
+            decode_frame(buf)
+
+
+def _authenticated_pair():
+    from lynx_hf.transfer.session import Channel
+    from lynx_hf.transfer.transport import InProcTransport
+
+    a, b = InProcTransport.pair()
+    server, client = Channel(a), Channel(b)
+    server.authenticate(b"k", "n" * 32, "m" * 32, "prefill")
+    client.authenticate(b"k", "n" * 32, "m" * 32, "decode")
+    return server, client, a
+
+
+def test_frame_macs_reject_forgery_reflection_and_untagged_frames():
+    server, client, raw = _authenticated_pair()
+    server.send_json(FrameType.PROMPT, {"prompt_len": 3}, 1)
+    assert client.recv(5, FrameType.PROMPT).json() == {"prompt_len": 3}
+    # an on-path host rewrites the payload and fixes the CRC: the tag no longer matches
+    frame = server._frame(FrameType.PROMPT, Stream.CONTROL, 1, b'{"prompt_len":3}')
+    f = decode_frame(frame)
+    forged = encode_frame(f.type, f.stream, f.request_id, f.seq, b'{"prompt_len":9}' + f.payload[-16:], f.flags)
+    raw.send(forged)
+    with pytest.raises(WireError, match="fails its MAC"):
+        client.recv(5)
+    _, client, raw = _authenticated_pair()
+    raw.send(client._frame(FrameType.PROMPT, Stream.CONTROL, 1, b"{}"))  # the client's own frame, reflected
+    with pytest.raises(WireError, match="fails its MAC"):
+        client.recv(5)
+    _, client, raw = _authenticated_pair()
+    raw.send(encode_frame(FrameType.PROMPT, Stream.CONTROL, 1, 0, b"{}"))  # injected without a tag
+    with pytest.raises(WireError, match="without a MAC"):
+        client.recv(5)
 
 
 @settings(max_examples=300, deadline=None)

@@ -8,11 +8,11 @@ import time
 
 import torch
 
-from ..cache import LynxCache, layer_windows
+from ..cache import LynxCache
 from ..config import LynxQuantConfig, SpecConfig
 from ..loader import Loader
 from .serde import check_residual, to_split, unpack_chunk, unpack_logits
-from .session import Channel, client_handshake, fingerprint, logits_width, resolve_secret
+from .session import Channel, client_handshake, fingerprint, kv_geometry, resolve_secret
 from .transport import TcpTransport
 from .wire import FrameType, Stream, WireError
 
@@ -85,19 +85,26 @@ class NetworkLoader(Loader):
 class DecodeClient:
     """The decode process's side of one connection to a prefill server."""
 
-    def __init__(self, model, host: str, port: int, secret: str | None = None, timeout_s: float = 30.0):
+    def __init__(self, model, host: str, port: int, secret: str | None = None, timeout_s: float = 30.0,
+                 insecure: bool = False):
         self.model, self.timeout = model, timeout_s
+        key = resolve_secret(secret, insecure)
         self.ch = Channel(TcpTransport.connect(host, port))
         self._rid = 0
-        client_handshake(self.ch, resolve_secret(secret), fingerprint(model))
+        self._broken: BaseException | None = None
+        try:
+            client_handshake(self.ch, key, fingerprint(model))
+        except BaseException:
+            self.ch.close()
+            raise
+        self.geometry = kv_geometry(model)  # a PROMPT frame must declare exactly this
 
     def _check_handshake(self, p: dict, prompt_len: int, cfg: LynxQuantConfig) -> None:
-        if p.get("prompt_len") != prompt_len or p.get("dtype") not in DTYPES or p.get("batch") != 1:
-            raise WireError(f"KV handshake does not match the request: {p}")
-        if p.get("windows") != layer_windows(self.model.config) or p.get("num_layers") != len(p["windows"]):
-            raise WireError("KV handshake declares other attention layers (sliding windows) than this model's")
-        if p.get("vocab") != logits_width(self.model):
-            raise WireError(f"KV handshake declares {p.get('vocab')} logits, this model has {logits_width(self.model)}")
+        got = {k: p.get(k) for k in self.geometry}
+        if got != self.geometry or p.get("prompt_len") != prompt_len:
+            bad = {k: (got[k], v) for k, v in self.geometry.items() if got[k] != v}
+            raise WireError(f"KV handshake does not match this model and request (declared, expected): "
+                            f"{bad or {'prompt_len': (p.get('prompt_len'), prompt_len)}}")
         try:
             srv_cfg = LynxQuantConfig.from_dict(p.get("quant_config"))
         except (ValueError, TypeError) as e:
@@ -111,6 +118,8 @@ class DecodeClient:
         with any generation options (`gen_kwargs`, greedy by default)."""
         from ..generate import speculative_generate
 
+        if self._broken is not None:
+            raise ConnectionError(f"this connection failed earlier ({self._broken}); open a new DecodeClient")
         self._rid += 1
         rid, cfg = self._rid, quant_config or LynxQuantConfig()
         t0 = time.perf_counter()
@@ -119,15 +128,21 @@ class DecodeClient:
         self._check_handshake(p, len(input_ids), cfg)
         spec = spec_config or SpecConfig(max_draft_tokens=64 if speculative else 0)
         # waits are bounded by the loader's per-frame timeout (a silent peer fails the cache), not by the cache's
-        cache = LynxCache(p["num_layers"], p["prompt_len"], cfg, spec, dtype=DTYPES[p["dtype"]],
+        device = next(self.model.parameters()).device
+        cache = LynxCache(p["num_layers"], p["prompt_len"], cfg, spec, dtype=DTYPES[p["dtype"]], device=device,
                           timeout_s=self.timeout + 600, sliding_windows=p["windows"])
         loader = NetworkLoader(self.ch, p, rid, self.timeout).attach(cache)
-        out = self.model.generate(torch.tensor([list(input_ids)]), cache=cache, custom_generate=speculative_generate,
-                                  max_new_tokens=max_new_tokens, **{"do_sample": False, **gen_kwargs})
+        try:
+            out = self.model.generate(torch.tensor([list(input_ids)], device=device), cache=cache,
+                                      custom_generate=speculative_generate, max_new_tokens=max_new_tokens,
+                                      **{"do_sample": False, **gen_kwargs})
+        except BaseException as e:
+            self._broken = e
+            raise
         while not loader.done.wait(0.2) and loader.error is None:
             pass  # the stream goes on after an early stop; the receiver's per-frame timeout bounds this
-        if loader.error is not None:
-            raise loader.error
+        if loader.error is not None:  # generation completed and verified; the connection is no longer usable
+            self._broken = loader.error
         gen = [t - t0 for t, k in cache.timeline if k in ("draft", "verified")]
         ver = [t - t0 for t, k in cache.timeline if k == "verified"]
         return {"tokens": out[0, len(input_ids):].tolist(), "t0": t0,
@@ -135,7 +150,8 @@ class DecodeClient:
                 # this process produced (draft or verified), the first verified one, and the 32nd verified one
                 "ttft_s": gen[0], "ttft_verified_s": ver[0], "tt32t_s": ver[min(32, len(ver)) - 1],
                 "prefill_s": loader.prefill_s, "stats": dict(cache.stats), "events": list(cache.events),
-                "timeline": list(cache.timeline), "bytes": self._bytes(cache)}
+                "timeline": list(cache.timeline), "bytes": self._bytes(cache),
+                "loader_error": None if loader.error is None else str(loader.error)}
 
     @staticmethod
     def _bytes(cache: LynxCache) -> int:

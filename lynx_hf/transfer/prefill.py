@@ -6,6 +6,7 @@ and residual chunks (priority 1), so the link carries layer i while layer i+1 co
 follow the anchors (FIRST), so the decode side picks the first token with its own generation options."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -13,14 +14,14 @@ import time
 
 import torch
 
-from ..cache import layer_windows
 from ..config import LynxQuantConfig
 from ..loader import PromptCapture
 from ..quant import encode
 from .serde import pack_chunk, pack_logits
-from .session import Channel, fingerprint, logits_width, resolve_secret, server_handshake
-from .transport import PRIO_ANCHOR, PRIO_END, PRIO_RESIDUAL, LinkEmulator, TcpTransport
-from .wire import FrameType, Stream, WireError
+from .session import Channel, fingerprint, kv_geometry, resolve_secret, server_handshake
+from ..link import LinkEmulator
+from .transport import PRIO_ANCHOR, PRIO_END, PRIO_RESIDUAL, TcpTransport
+from .wire import MAX_JSON, FrameType, PeerClosed, Stream, WireError, json_frame
 
 log = logging.getLogger("lynx_hf.prefill")
 MAX_PROMPT = 131072
@@ -45,21 +46,17 @@ def send_layer(ch: Channel, rid: int, cfg: LynxQuantConfig, layer: int, k: torch
 
 def kv_handshake(model, rid: int, prompt_len: int, cfg: LynxQuantConfig) -> dict:
     """The PROMPT frame's JSON: what the decode side needs to build and check its LynxCache."""
-    c = model.config.get_text_config(decoder=True)
     try:
-        windows = layer_windows(model.config)
-    except ValueError as e:
+        geometry = kv_geometry(model)
+    except ValueError as e:  # a layer kind a transferred prompt cannot serve
         raise WireError(str(e)) from None
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-    return {"request_id": rid, "num_layers": len(windows), "windows": windows, "batch": 1,
-            "kv_heads": c.num_key_value_heads, "head_dim": head_dim, "dtype": dtype, "vocab": logits_width(model),
-            "prompt_len": prompt_len, "segment": SEGMENT, "quant_config": cfg.to_dict()}
+    return {"request_id": rid, **geometry, "prompt_len": prompt_len, "quant_config": cfg.to_dict()}
 
 
 @torch.no_grad()
-def serve_request(model, ch: Channel, req: dict, rid: int) -> dict:
-    """Validate a REQUEST, announce the KV (PROMPT), prefill while streaming, then FIRST (logits) and END."""
+def serve_request(model, ch: Channel, req: dict, rid: int, compute: threading.Lock | None = None) -> dict:
+    """Validate a REQUEST, announce the KV (PROMPT), prefill while streaming, then FIRST (logits) and END. `compute`
+    is held for the forward pass only: the paced transfer that follows runs on this connection's own sender."""
     ids = req.get("input_ids")
     if not (isinstance(ids, list) and 0 < len(ids) <= MAX_PROMPT and all(isinstance(i, int) for i in ids)):
         raise WireError(f"input_ids must be a list of 1..{MAX_PROMPT} ints")
@@ -75,7 +72,8 @@ def serve_request(model, ch: Channel, req: dict, rid: int) -> dict:
     t0 = time.perf_counter()
     futs = []
     cap = PromptCapture(model.config, lambda i, k, v: futs.extend(send_layer(ch, rid, cfg, i, k, v, P - k.shape[2])), P)
-    out = model(input_ids=torch.tensor([ids]), cache=cap, use_cache=True, logits_to_keep=1)
+    with compute or contextlib.nullcontext():
+        out = model(input_ids=torch.tensor([ids]), cache=cap, use_cache=True, logits_to_keep=1)
     prefill_s = time.perf_counter() - t0
     ch.send_binary(FrameType.FIRST, Stream.CONTROL, rid, pack_logits(out.logits[:, -1]), PRIO_ANCHOR)
     end = ch.send_json(FrameType.END, {"anchor_frames": ch.out_seq[Stream.ANCHOR],
@@ -86,17 +84,26 @@ def serve_request(model, ch: Channel, req: dict, rid: int) -> dict:
 
 
 class PrefillServer:
-    """Accepts decode peers; each connection: handshake, then requests until the peer closes. A bad client only
-    ever costs its own connection."""
+    """Accepts decode peers; each connection gets its own thread, transport and sender (so a slow or stalled client
+    only ever delays itself): handshake within `handshake_timeout` in all, then requests until the peer closes.
+    One forward pass at a time (the CPU/GPU is the bottleneck); at most `max_connections` connections, the next
+    is refused with an ERROR frame."""
 
     def __init__(self, model, host: str = "127.0.0.1", port: int = 0, secret: str | None = None,
-                 bandwidth_bps: float | None = None, latency_s: float = 0.0, handshake_timeout: float = 10.0):
-        self.model, self.secret, self.fp = model, resolve_secret(secret), fingerprint(model)
-        self.bw, self.latency, self.hs_timeout = bandwidth_bps, latency_s, handshake_timeout
+                 bandwidth_bps: float | None = None, latency_s: float = 0.0, handshake_timeout: float = 10.0,
+                 max_connections: int = 32, insecure: bool = False):
+        self.model, self.secret, self.fp = model, resolve_secret(secret, insecure), fingerprint(model)
+        self.bw, self.latency, self.hs_timeout, self.max_conn = bandwidth_bps, latency_s, handshake_timeout, max_connections
         self.sock = socket.create_server((host, port), reuse_port=False)
         self.address = self.sock.getsockname()[:2]
-        self._compute = threading.Lock()  # one prefill at a time: the CPU is the bottleneck anyway
+        self._compute = threading.Lock()
         self._stop = threading.Event()
+        self._conns = 0
+        self._conns_lock = threading.Lock()
+
+    @property
+    def connections(self) -> int:
+        return self._conns
 
     def serve_forever(self) -> None:
         self.sock.settimeout(0.5)
@@ -107,11 +114,27 @@ class PrefillServer:
                 continue
             except OSError:
                 break
-            threading.Thread(target=self._handle, args=(conn, addr), daemon=True).start()
+            with self._conns_lock:
+                full = self._conns >= self.max_conn
+                self._conns += not full
+            if full:
+                self._refuse(conn, addr)
+                continue
+            threading.Thread(target=self._handle, args=(conn, addr), name="lynx-conn", daemon=True).start()
 
     def start(self) -> "PrefillServer":
         threading.Thread(target=self.serve_forever, name="lynx-prefill-server", daemon=True).start()
         return self
+
+    @staticmethod
+    def _refuse(conn: socket.socket, addr) -> None:
+        log.warning("refusing %s: connection limit reached", addr)
+        try:
+            conn.settimeout(1.0)
+            conn.sendall(json_frame(FrameType.ERROR, 0, 0, {"error": "server busy: too many connections"}))
+        except OSError:
+            pass
+        conn.close()
 
     def _handle(self, conn: socket.socket, addr) -> None:
         ch = Channel(TcpTransport(conn, LinkEmulator(self.bw, self.latency)))
@@ -119,14 +142,10 @@ class PrefillServer:
             server_handshake(ch, self.secret, self.fp, self.hs_timeout)
             while True:
                 try:
-                    f = ch.recv(timeout=3600, expect=FrameType.REQUEST)
-                except WireError as e:
-                    if "closed" in str(e):
-                        return
-                    raise
-                req = f.json()
-                with self._compute:
-                    info = serve_request(self.model, ch, req, f.request_id)
+                    f = ch.recv(timeout=3600, expect=FrameType.REQUEST, limit=MAX_JSON)
+                except PeerClosed:
+                    return
+                info = serve_request(self.model, ch, f.json(), f.request_id, self._compute)
                 log.info("request %s from %s: %s", f.request_id, addr, info)
         except (WireError, ConnectionError, TimeoutError, OSError) as e:
             log.warning("client %s dropped: %s", addr, e)
@@ -138,6 +157,8 @@ class PrefillServer:
             log.exception("request from %s failed: %s", addr, e)
         finally:
             ch.close()
+            with self._conns_lock:
+                self._conns -= 1
 
     def close(self) -> None:
         self._stop.set()

@@ -1,29 +1,51 @@
-"""Connection set-up shared by both sides: model fingerprint, shared-secret mutual authentication (HMAC-SHA256
-over both nonces), per-direction sequence numbering."""
+"""Connection set-up shared by both sides: shared-secret mutual authentication before anything is revealed, then a
+MAC on every frame, the model fingerprint, per-direction sequence numbering.
+
+Handshake (docs/wire-format.md): prefill → HELLO{nonce Ns}; decode → HELLO{nonce Nc, mac = HMAC(secret,
+"client|Ns|Nc")}; the prefill side checks the MAC (one generic refusal otherwise), and from here on every frame in
+each direction carries HMAC-SHA256 (truncated to 16 bytes) under a per-connection, per-direction key derived from
+the secret and both nonces; prefill → OK{mac = HMAC(secret, "server|Nc|Ns"), fingerprint}; decode checks the MAC and
+the fingerprint, → OK{fingerprint}. Every handshake frame is at most MAX_HANDSHAKE bytes, and the whole handshake
+has one deadline."""
 from __future__ import annotations
 
 import hashlib
 import hmac
 import os
 import secrets
+import time
+
+import torch
 
 from .transport import PRIO_ANCHOR, Transport
-from .wire import FrameType, SequenceChecker, Stream, WireError, encode_frame, json_frame
+from .wire import (FLAG_MAC, MAX_HANDSHAKE, MAX_PAYLOAD, Frame, FrameType, SequenceChecker, Stream, WireError,
+                   encode_frame, json_payload)
 
 SECRET_ENV = "LYNX_SECRET"
-DEFAULT_SECRET = "lynx-hf-dev"  # used when neither --secret nor $LYNX_SECRET is given (say so in logs)
+INSECURE_SECRET = b"lynx-hf-insecure: no authentication"  # --insecure (loopback only): a known key, no security
+TAG = 16  # bytes of HMAC-SHA256 kept per frame
 
 
-def resolve_secret(secret: str | None) -> bytes:
-    return (secret or os.environ.get(SECRET_ENV) or DEFAULT_SECRET).encode()
+def resolve_secret(secret: str | None, insecure: bool = False) -> bytes:
+    """--secret, else $LYNX_SECRET, else (only with insecure=True) a publicly known key. No built-in default."""
+    s = secret or os.environ.get(SECRET_ENV)
+    if s:
+        return s.encode()
+    if insecure:
+        return INSECURE_SECRET
+    raise ValueError(f"no shared secret: pass --secret or set {SECRET_ENV} (or --insecure, on loopback only)")
 
 
 def fingerprint(model) -> str:
-    """Identifies the model's architecture and weights cheaply: config + a hash of a slice of each weight shape."""
+    """Identifies the model's architecture and weights: its config, and every parameter's name, shape, a strided
+    sample of its values, its sum and its sum of squares (one pass over the weights, so any change shows)."""
     h = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
-    for name, p in list(model.named_parameters())[:4]:
-        h.update(name.encode())
-        h.update(p.detach().flatten()[:64].float().numpy().tobytes())
+    for name, p in model.named_parameters():
+        flat = p.detach().reshape(-1)
+        h.update(f"{name}{tuple(p.shape)}".encode())
+        h.update(flat[:: max(1, flat.numel() // 64)][:64].float().cpu().numpy().tobytes())
+        f = flat.float()
+        h.update(torch.stack([f.sum(), torch.dot(f, f)]).cpu().numpy().tobytes())
     return h.hexdigest()[:32]
 
 
@@ -33,34 +55,71 @@ def logits_width(model) -> int:
     return int(emb.weight.shape[0]) if emb is not None else int(model.config.get_text_config().vocab_size)
 
 
-def _mac(secret: bytes, *parts: str) -> str:
-    return hmac.new(secret, "|".join(parts).encode(), hashlib.sha256).hexdigest()
+def kv_geometry(model) -> dict:
+    """What the model's prompt KV looks like on the wire: the PROMPT frame declares it and the decode side requires
+    it to equal its own model's before allocating anything."""
+    from ..cache import layer_windows
+
+    c = model.config.get_text_config(decoder=True)
+    windows = layer_windows(model.config)
+    return {"num_layers": len(windows), "windows": windows, "batch": 1, "kv_heads": c.num_key_value_heads,
+            "head_dim": getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+            "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "vocab": logits_width(model)}
+
+
+def _mac(key: bytes, *parts: str) -> str:
+    return hmac.new(key, "|".join(parts).encode(), hashlib.sha256).hexdigest()
 
 
 class Channel:
-    """A transport plus this direction's sequence counters and the peer's checker."""
+    """A transport plus this direction's sequence counters, the peer's checker, and (once authenticated) the
+    per-direction frame keys."""
 
     def __init__(self, transport: Transport):
         self.t = transport
         self.out_seq = {s: 0 for s in Stream}
         self.checker = SequenceChecker()
+        self._send_key: bytes | None = None
+        self._recv_key: bytes | None = None
 
-    def _next(self, stream: Stream) -> int:
-        n = self.out_seq[stream]
-        self.out_seq[stream] = n + 1
-        return n
+    def authenticate(self, secret: bytes, ns: str, nc: str, role: str) -> None:
+        """Switch on frame MACs: keys derived from the secret and both nonces, one per direction."""
+        k = hmac.new(secret, f"keys|{ns}|{nc}".encode(), hashlib.sha256).digest()
+        s2c, c2s = (hmac.new(k, d.encode(), hashlib.sha256).digest() for d in ("s2c", "c2s"))
+        self._send_key, self._recv_key = (s2c, c2s) if role == "prefill" else (c2s, s2c)
+
+    def _frame(self, ftype: FrameType, stream: Stream, request_id: int, payload: bytes) -> bytes:
+        seq = self.out_seq[stream]
+        self.out_seq[stream] = seq + 1
+        if self._send_key is None:
+            return encode_frame(ftype, stream, request_id, seq, payload)
+        head = Frame(ftype, stream, request_id & 0xFFFFFFFF, seq, bytes(len(payload) + TAG), FLAG_MAC).header()
+        tag = hmac.new(self._send_key, head + payload, hashlib.sha256).digest()[:TAG]
+        return encode_frame(ftype, stream, request_id, seq, payload + tag, FLAG_MAC)
 
     def send_json(self, ftype: FrameType, obj: dict, request_id: int = 0, priority: int = PRIO_ANCHOR, wait=True):
-        fut = self.t.start_send(json_frame(ftype, request_id, self._next(Stream.CONTROL), obj), priority)
+        fut = self.t.start_send(self._frame(ftype, Stream.CONTROL, request_id, json_payload(obj)), priority)
         if wait:
             self.t.wait_send(fut, 60)
         return fut
 
     def send_binary(self, ftype: FrameType, stream: Stream, request_id: int, payload: bytes, priority: int):
-        return self.t.start_send(encode_frame(ftype, stream, request_id, self._next(stream), payload), priority)
+        return self.t.start_send(self._frame(ftype, stream, request_id, payload), priority)
 
-    def recv(self, timeout: float | None = 30.0, expect: FrameType | None = None):
-        f = self.t.recv(timeout)
+    def recv(self, timeout: float | None = 30.0, expect: FrameType | None = None, limit: int = MAX_PAYLOAD):
+        f = self.t.recv(timeout, limit)
+        if self._recv_key is not None:
+            if not f.flags & FLAG_MAC or len(f.payload) < TAG:
+                if f.type == FrameType.ERROR:  # a refusal sent before the peer switched MACs on
+                    raise WireError(f"peer reported an error: {f.json().get('error', '?')}")
+                raise WireError(f"{f.type.name} frame without a MAC after the handshake")
+            body, tag = f.payload[:-TAG], f.payload[-TAG:]
+            want = hmac.new(self._recv_key, f.header() + body, hashlib.sha256).digest()[:TAG]
+            if not hmac.compare_digest(tag, want):
+                raise WireError(f"{f.type.name} frame fails its MAC: forged or corrupted")
+            f.payload, f.flags = body, 0
+        elif f.flags & FLAG_MAC:
+            raise WireError("MAC-tagged frame before the handshake")
         self.checker.check(f)
         if f.type == FrameType.ERROR and expect != FrameType.ERROR:
             raise WireError(f"peer reported an error: {f.json().get('error', '?')}")
@@ -72,28 +131,45 @@ class Channel:
         self.t.close()
 
 
+def _nonce(hello: dict) -> str:
+    n = hello.get("nonce")
+    if not (isinstance(n, str) and len(n) == 32 and all(c in "0123456789abcdef" for c in n)):
+        raise WireError("HELLO without a valid nonce")
+    return n
+
+
 def server_handshake(ch: Channel, secret: bytes, fp: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    left = lambda: max(0.0, deadline - time.monotonic())
     ns = secrets.token_hex(16)
-    ch.send_json(FrameType.HELLO, {"role": "prefill", "fingerprint": fp, "nonce": ns})
-    hello = ch.recv(timeout, FrameType.HELLO).json()
-    nc = str(hello.get("nonce", ""))
-    if hello.get("fingerprint") != fp:
+    ch.send_json(FrameType.HELLO, {"role": "prefill", "nonce": ns})
+    hello = ch.recv(left(), FrameType.HELLO, MAX_HANDSHAKE).json()
+    nc = _nonce(hello)
+    if not hmac.compare_digest(str(hello.get("mac", "")), _mac(secret, "client", ns, nc)):
+        ch.send_json(FrameType.ERROR, {"error": "refused"})
+        raise WireError("authentication failed: the client does not know the shared secret")
+    ch.authenticate(secret, ns, nc, "prefill")
+    ch.send_json(FrameType.OK, {"mac": _mac(secret, "server", nc, ns), "fingerprint": fp})
+    ok = ch.recv(left(), FrameType.OK, MAX_HANDSHAKE).json()
+    if ok.get("fingerprint") != fp:
         ch.send_json(FrameType.ERROR, {"error": "model mismatch: fingerprints differ"})
         raise WireError("model mismatch: the decode side runs a different model")
-    if not hmac.compare_digest(str(hello.get("mac", "")), _mac(secret, "client", ns, nc, fp)):
-        ch.send_json(FrameType.ERROR, {"error": "authentication failed"})
-        raise WireError("authentication failed: wrong shared secret")
-    ch.send_json(FrameType.OK, {"mac": _mac(secret, "server", nc, ns, fp)})
 
 
 def client_handshake(ch: Channel, secret: bytes, fp: str, timeout: float = 10.0) -> None:
-    hello = ch.recv(timeout, FrameType.HELLO).json()
-    ns = str(hello.get("nonce", ""))
-    if hello.get("fingerprint") != fp:
-        raise WireError("model mismatch: the prefill side runs a different model")
+    deadline = time.monotonic() + timeout
+    left = lambda: max(0.0, deadline - time.monotonic())
+    ns = _nonce(ch.recv(left(), FrameType.HELLO, MAX_HANDSHAKE).json())
     nc = secrets.token_hex(16)
-    ch.send_json(FrameType.HELLO, {"role": "decode", "fingerprint": fp, "nonce": nc,
-                                   "mac": _mac(secret, "client", ns, nc, fp)})
-    ok = ch.recv(timeout, FrameType.OK).json()
-    if not hmac.compare_digest(str(ok.get("mac", "")), _mac(secret, "server", nc, ns, fp)):
+    ch.send_json(FrameType.HELLO, {"role": "decode", "nonce": nc, "mac": _mac(secret, "client", ns, nc)})
+    ch.authenticate(secret, ns, nc, "decode")
+    try:
+        ok = ch.recv(left(), FrameType.OK, MAX_HANDSHAKE).json()
+    except WireError as e:
+        raise WireError(f"authentication failed: the prefill server refused ({e})") from None
+    if not hmac.compare_digest(str(ok.get("mac", "")), _mac(secret, "server", nc, ns)):
         raise WireError("authentication failed: the prefill server does not know the shared secret")
+    if ok.get("fingerprint") != fp:
+        ch.send_json(FrameType.ERROR, {"error": "model mismatch: fingerprints differ"})
+        raise WireError("model mismatch: the prefill side runs a different model")
+    ch.send_json(FrameType.OK, {"fingerprint": fp})

@@ -1,8 +1,10 @@
 """A narrow transport interface with async start/wait pairs (like vLLM's KV connectors), and its backends.
 
-    start_send(frame, priority) -> Future   enqueue; frames leave in priority order (0 first), FIFO within one
+    start_send(frame, priority) -> Future   enqueue; frames leave in priority order (0 first), FIFO within one;
+                                             after a failed send every queued and later frame fails too
     wait_send(future, timeout)               until that frame is on the wire
-    recv(timeout) -> Frame                   next frame (checked: header, length bound, CRC); WireError/TimeoutError
+    recv(timeout, limit) -> Frame            next frame within `timeout` seconds in all (checked: header, length
+                                             bound `limit`, CRC); WireError / PeerClosed / TimeoutError
     close()
 
 Strict priority is applied at frame granularity by one sender thread per connection, which also paces the bytes
@@ -18,32 +20,11 @@ from concurrent.futures import Future
 
 import torch
 
-from .wire import HEADER, MAX_PAYLOAD, WireError, decode_frame, read_frame
+from ..link import LinkEmulator
+from .wire import HEADER, MAX_PAYLOAD, PeerClosed, WireError, decode_frame, read_frame
 
 PRIO_ANCHOR, PRIO_RESIDUAL, PRIO_END = 0, 1, 2
 DSCP = {PRIO_ANCHOR: 46 << 2, PRIO_RESIDUAL: 10 << 2, PRIO_END: 10 << 2}  # EF for the anchor, AF11 for the rest
-
-
-class LinkEmulator:
-    """A link of `bandwidth_bps` bits/s and one-way `latency_s`, shared by all streams of a connection."""
-
-    def __init__(self, bandwidth_bps: float | None = None, latency_s: float = 0.0):
-        if bandwidth_bps is not None and bandwidth_bps <= 0:
-            raise ValueError("bandwidth_bps must be > 0")
-        self.bps, self.latency, self._free_at = bandwidth_bps, latency_s, None
-
-    def pace(self, nbytes: int, stop: threading.Event | None = None) -> bool:
-        """Block until the link has carried `nbytes` more; returns True if `stop` was set meanwhile."""
-        now = time.perf_counter()
-        if self._free_at is None:
-            self._free_at = now + self.latency
-        if self.bps is not None:
-            self._free_at = max(self._free_at, now) + 8 * nbytes / self.bps
-        wait = max(0.0, self._free_at - time.perf_counter())
-        if stop is not None:
-            return stop.wait(wait)
-        time.sleep(wait)
-        return False
 
 
 class Transport:
@@ -53,16 +34,21 @@ class Transport:
         self.link = link or LinkEmulator()
         self._q: queue.PriorityQueue = queue.PriorityQueue()
         self._n = itertools.count()
+        self._lock = threading.Lock()  # orders start_send against the sender's failure
+        self._error: BaseException | None = None
         self._closed = threading.Event()
         self._sender = threading.Thread(target=self._send_loop, name="lynx-sender", daemon=True)
         self._sender.start()
 
     def start_send(self, frame: bytes, priority: int = PRIO_ANCHOR) -> Future:
         fut: Future = Future()
-        if self._closed.is_set():
-            fut.set_exception(ConnectionError("transport closed"))
-        else:
-            self._q.put((priority, next(self._n), frame, fut))
+        with self._lock:
+            if self._error is not None:
+                fut.set_exception(ConnectionError(f"an earlier send failed: {self._error}"))
+            elif self._closed.is_set():
+                fut.set_exception(ConnectionError("transport closed"))
+            else:
+                self._q.put((priority, next(self._n), frame, fut))
         return fut
 
     @staticmethod
@@ -83,6 +69,8 @@ class Transport:
                 fut.set_result(None)
             except BaseException as e:  # noqa: BLE001 — handed to whoever waits on the frame
                 fut.set_exception(e)
+                with self._lock:
+                    self._error = e
                 self._fail_pending(e)
                 return
 
@@ -103,7 +91,7 @@ class Transport:
     def _write(self, frame: bytes, priority: int) -> None:
         raise NotImplementedError
 
-    def recv(self, timeout: float | None = None):
+    def recv(self, timeout: float | None = None, limit: int = MAX_PAYLOAD):
         raise NotImplementedError
 
 
@@ -130,16 +118,22 @@ class TcpTransport(Transport):
             self._tos = tos
         self.sock.sendall(frame)
 
-    def recv(self, timeout: float | None = 30.0):
-        self.sock.settimeout(timeout)
+    def recv(self, timeout: float | None = 30.0, limit: int = MAX_PAYLOAD):
+        """One frame within `timeout` seconds in all: a peer trickling bytes cannot stretch it."""
+        deadline = None if timeout is None else time.monotonic() + timeout
 
         def read_exact(n: int) -> bytes:
             buf = bytearray()
             while len(buf) < n:
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"no whole frame from the peer within {timeout} s")
+                    self.sock.settimeout(left)
                 try:
                     chunk = self.sock.recv(min(n - len(buf), 1 << 20))
                 except socket.timeout:
-                    raise TimeoutError(f"no data from the peer for {timeout} s") from None
+                    raise TimeoutError(f"no whole frame from the peer within {timeout} s") from None
                 except OSError as e:
                     raise ConnectionError(f"connection lost: {e}") from None
                 if not chunk:
@@ -147,7 +141,7 @@ class TcpTransport(Transport):
                 buf += chunk
             return bytes(buf)
 
-        return read_frame(read_exact)
+        return read_frame(read_exact, limit)
 
     def close(self) -> None:
         super().close()
@@ -176,14 +170,14 @@ class InProcTransport(Transport):
     def _write(self, frame: bytes, priority: int) -> None:
         self.peer.inbox.put(frame)
 
-    def recv(self, timeout: float | None = 30.0):
+    def recv(self, timeout: float | None = 30.0, limit: int = MAX_PAYLOAD):
         try:
             buf = self.inbox.get(timeout=timeout)
         except queue.Empty:
             raise TimeoutError(f"no frame for {timeout} s") from None
         if buf is None:
-            raise ConnectionError("peer closed the connection")
-        return decode_frame(buf)
+            raise PeerClosed("peer closed the connection")
+        return decode_frame(buf, limit)
 
     def close(self) -> None:
         super().close()
@@ -193,27 +187,74 @@ class InProcTransport(Transport):
 
 class DistTransport(Transport):
     """torch.distributed point-to-point (gloo on CPU, NCCL on GPU) for users who already run a process group.
-    Each frame is sent as its length (int64) and then its bytes; the length is bounded before allocating."""
+    Each frame is sent as its length (int64) and then its bytes; the length is bounded before allocating, and -1
+    says the peer closed. Sends and receives use two process groups (one per direction), since NCCL forbids using one
+    group from two threads; construct the transport on both ranks of the pair at the same time (torch.distributed's
+    new_group is collective). A receive that times out leaves the transport unusable (the pending receive cannot be
+    cancelled)."""
+
+    CLOSED = -1
 
     def __init__(self, peer: int, link=None, device: str = "cpu"):
         import torch.distributed as dist
 
         if not dist.is_initialized():
             raise RuntimeError("DistTransport needs torch.distributed.init_process_group first")
+        me = dist.get_rank()
+        lo, hi = sorted((me, peer))
+        up, down = dist.new_group([lo, hi]), dist.new_group([lo, hi])  # lo → hi, hi → lo
         self.dist, self.peer_rank, self.device = dist, peer, device
+        self._send_group, self._recv_group = (up, down) if me == lo else (down, up)
+        self._recv_broken: str | None = None
         super().__init__(link)
 
-    def _write(self, frame: bytes, priority: int) -> None:
-        n = torch.tensor([len(frame)], dtype=torch.int64, device=self.device)
-        self.dist.send(n, self.peer_rank)
-        self.dist.send(torch.frombuffer(bytearray(frame), dtype=torch.uint8).to(self.device), self.peer_rank)
+    def _post(self, n: int, payload: bytes = b"") -> None:
+        self.dist.send(torch.tensor([n], dtype=torch.int64, device=self.device), self.peer_rank, group=self._send_group)
+        if payload:
+            self.dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device), self.peer_rank,
+                           group=self._send_group)
 
-    def recv(self, timeout: float | None = None):
+    def _write(self, frame: bytes, priority: int) -> None:
+        self._post(len(frame), frame)
+
+    def _recv_into(self, t: torch.Tensor, deadline: float | None, timeout) -> None:
+        import datetime
+
+        work = self.dist.irecv(t, self.peer_rank, group=self._recv_group)
+        if deadline is None:
+            work.wait()
+            return
+        left = max(deadline - time.monotonic(), 0.001)
+        try:
+            ok = work.wait(timeout=datetime.timedelta(seconds=left))
+        except RuntimeError as e:
+            ok = False if "imeout" in str(e) or "imed out" in str(e) else None
+            if ok is None:
+                raise ConnectionError(f"torch.distributed receive failed: {e}") from None
+        if not ok:
+            self._recv_broken = f"a receive timed out after {timeout} s"
+            raise TimeoutError(f"no frame from rank {self.peer_rank} within {timeout} s")
+
+    def recv(self, timeout: float | None = 30.0, limit: int = MAX_PAYLOAD):
+        if self._recv_broken:
+            raise ConnectionError(f"DistTransport unusable: {self._recv_broken}")
+        deadline = None if timeout is None else time.monotonic() + timeout
         n = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self.dist.recv(n, self.peer_rank)
+        self._recv_into(n, deadline, timeout)
         size = int(n.item())
-        if not HEADER.size <= size <= HEADER.size + MAX_PAYLOAD:
+        if size == self.CLOSED:
+            raise PeerClosed(f"rank {self.peer_rank} closed the transport")
+        if not HEADER.size <= size <= HEADER.size + limit:
             raise WireError(f"frame length {size} out of bounds")
         buf = torch.empty(size, dtype=torch.uint8, device=self.device)
-        self.dist.recv(buf, self.peer_rank)
-        return decode_frame(buf.cpu().numpy().tobytes())
+        self._recv_into(buf, deadline, timeout)
+        return decode_frame(buf.cpu().numpy().tobytes(), limit)
+
+    def close(self) -> None:
+        if not self._closed.is_set():
+            super().close()
+            self._sender.join(timeout=30)
+            try:
+                self._post(self.CLOSED)
+            except Exception:  # noqa: BLE001 — the peer may be gone already
+                pass

@@ -1,7 +1,7 @@
 """Framed, versioned, self-describing messages (docs/wire-format.md). Nothing is ever unpickled: control payloads
 are JSON objects, KV chunks a binary tensor table; every length is bounded before anything is allocated, and a
 CRC32 over header and payload catches corruption. On malformed input `read_frame`/`decode_frame` raise only
-`WireError` (a closed peer is `WireError("peer closed ...")`); on a finite byte string they never hang."""
+`WireError` (a peer that closed at a frame boundary is `PeerClosed`); on a finite byte string they never hang."""
 from __future__ import annotations
 
 import enum
@@ -11,14 +11,20 @@ import zlib
 from dataclasses import dataclass
 
 MAGIC = b"LYNX"
-VERSION = 2  # 2: FIRST carries the prefill's logits; PROMPT declares vocab and sliding windows
+VERSION = 3  # 2: FIRST carries the prefill's logits, PROMPT declares vocab and windows; 3: frame MACs
 HEADER = struct.Struct("<4sBBBBIII I")  # magic, version, type, stream, flags, request_id, seq, length, crc32
 MAX_PAYLOAD = 64 << 20   # one frame's payload
 MAX_JSON = 4 << 20       # a control payload (prompt ids included)
+MAX_HANDSHAKE = 4096     # any frame before the peer has proven the shared secret
+FLAG_MAC = 1             # the payload ends with a MAC tag (every frame after the handshake)
 
 
 class WireError(ValueError):
     """A frame is malformed, truncated, corrupted, out of order, or the peer broke the protocol."""
+
+
+class PeerClosed(WireError):
+    """The peer closed the connection at a frame boundary."""
 
 
 class FrameType(enum.IntEnum):
@@ -45,6 +51,12 @@ class Frame:
     request_id: int
     seq: int
     payload: bytes
+    flags: int = 0
+
+    def header(self) -> bytes:
+        """The header as sent, CRC field zeroed: what a frame MAC covers along with the payload."""
+        return HEADER.pack(MAGIC, VERSION, int(self.type), int(self.stream), self.flags, self.request_id, self.seq,
+                           len(self.payload), 0)
 
     def json(self) -> dict:
         if len(self.payload) > MAX_JSON:
@@ -58,19 +70,23 @@ class Frame:
         return obj
 
 
-def encode_frame(ftype: FrameType, stream: Stream, request_id: int, seq: int, payload: bytes) -> bytes:
+def encode_frame(ftype: FrameType, stream: Stream, request_id: int, seq: int, payload: bytes, flags: int = 0) -> bytes:
     if len(payload) > MAX_PAYLOAD:
         raise WireError(f"payload of {len(payload)} bytes exceeds MAX_PAYLOAD {MAX_PAYLOAD}")
-    head = HEADER.pack(MAGIC, VERSION, int(ftype), int(stream), 0, request_id & 0xFFFFFFFF, seq, len(payload), 0)
+    head = HEADER.pack(MAGIC, VERSION, int(ftype), int(stream), flags, request_id & 0xFFFFFFFF, seq, len(payload), 0)
     crc = zlib.crc32(payload, zlib.crc32(head))
     return head[:-4] + struct.pack("<I", crc) + payload
 
 
+def json_payload(obj: dict) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
 def json_frame(ftype: FrameType, request_id: int, seq: int, obj: dict) -> bytes:
-    return encode_frame(ftype, Stream.CONTROL, request_id, seq, json.dumps(obj, separators=(",", ":")).encode())
+    return encode_frame(ftype, Stream.CONTROL, request_id, seq, json_payload(obj))
 
 
-def parse_header(head: bytes) -> tuple[FrameType, Stream, int, int, int, int]:
+def parse_header(head: bytes, limit: int = MAX_PAYLOAD) -> tuple[FrameType, Stream, int, int, int, int, int]:
     if len(head) != HEADER.size:
         raise WireError(f"truncated header: {len(head)} of {HEADER.size} bytes")
     magic, ver, ftype, stream, flags, rid, seq, length, crc = HEADER.unpack(head)
@@ -82,11 +98,11 @@ def parse_header(head: bytes) -> tuple[FrameType, Stream, int, int, int, int]:
         ftype, stream = FrameType(ftype), Stream(stream)
     except ValueError:
         raise WireError(f"unknown frame type {ftype} or stream {stream}") from None
-    if flags != 0:
+    if flags & ~FLAG_MAC:
         raise WireError(f"unknown flags {flags:#x}")
-    if length > MAX_PAYLOAD:
-        raise WireError(f"declared payload of {length} bytes exceeds MAX_PAYLOAD {MAX_PAYLOAD}")
-    return ftype, stream, rid, seq, length, crc
+    if length > limit:
+        raise WireError(f"declared payload of {length} bytes exceeds the limit of {limit} bytes")
+    return ftype, stream, rid, seq, length, crc, flags
 
 
 def check_crc(head: bytes, payload: bytes, crc: int) -> None:
@@ -95,20 +111,21 @@ def check_crc(head: bytes, payload: bytes, crc: int) -> None:
         raise WireError("checksum mismatch: frame corrupted")
 
 
-def read_frame(read_exact) -> Frame:
-    """Read one frame with `read_exact(n) -> bytes` (which returns fewer bytes only at end of stream)."""
+def read_frame(read_exact, limit: int = MAX_PAYLOAD) -> Frame:
+    """Read one frame with `read_exact(n) -> bytes` (which returns fewer bytes only at end of stream); a payload
+    longer than `limit` is refused from its header, before it is read."""
     head = read_exact(HEADER.size)
     if len(head) == 0:
-        raise WireError("peer closed the connection")
-    ftype, stream, rid, seq, length, crc = parse_header(head)
+        raise PeerClosed("peer closed the connection")
+    ftype, stream, rid, seq, length, crc, flags = parse_header(head, limit)
     payload = read_exact(length) if length else b""
     if len(payload) != length:
         raise WireError(f"truncated frame: {len(payload)} of {length} payload bytes, then the peer closed")
     check_crc(head, payload, crc)
-    return Frame(ftype, stream, rid, seq, payload)
+    return Frame(ftype, stream, rid, seq, payload, flags)
 
 
-def decode_frame(buf: bytes) -> Frame:
+def decode_frame(buf: bytes, limit: int = MAX_PAYLOAD) -> Frame:
     """One whole frame from a byte string (trailing bytes are an error)."""
     pos = 0
 
@@ -118,7 +135,7 @@ def decode_frame(buf: bytes) -> Frame:
         pos += len(chunk)
         return chunk
 
-    f = read_frame(read_exact)
+    f = read_frame(read_exact, limit)
     if pos != len(buf):
         raise WireError(f"{len(buf) - pos} trailing bytes after the frame")
     return f

@@ -1,0 +1,293 @@
+"""The prefill server facing a real network, on loopback with a tiny model: no client stalls another, bounded
+handshakes and connections, authentication before anything is revealed, peer input checked before allocation,
+and an 8-client load test whose server returns to its baseline afterwards."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import tracemalloc
+
+import pytest
+import torch
+import transformers as tf
+
+from lynx_hf import LynxQuantConfig as Q
+from lynx_hf.transfer import prefill as P
+from lynx_hf.transfer.decode import DecodeClient
+from lynx_hf.transfer.session import Channel, client_handshake, fingerprint, resolve_secret, server_handshake
+from lynx_hf.transfer.transport import TcpTransport, Transport
+from lynx_hf.transfer.wire import HEADER, FrameType, PeerClosed, Stream, WireError, decode_frame, encode_frame
+
+SECRET = "test-secret"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    m = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2)).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(3.0)
+    return m
+
+
+def ids(n, seed):
+    return torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def read_frames(sock, timeout):
+    """Every frame the server sends until it closes (or the timeout); returns (frames, seconds until EOF)."""
+    sock.settimeout(timeout)
+    buf, t0 = b"", time.monotonic()
+    try:
+        while chunk := sock.recv(65536):
+            buf += chunk
+    except socket.timeout:
+        return None, None
+    frames = []
+    while buf:
+        n = HEADER.size + int.from_bytes(buf[16:20], "little")
+        frames.append(decode_frame(buf[:n]))
+        buf = buf[n:]
+    return frames, time.monotonic() - t0
+
+
+def test_no_server_without_a_secret(tiny, monkeypatch):
+    monkeypatch.delenv("LYNX_SECRET", raising=False)
+    with pytest.raises(ValueError, match="no shared secret"):
+        P.PrefillServer(tiny)
+    assert resolve_secret(None, insecure=True) != resolve_secret("x")
+    env = {k: v for k, v in os.environ.items() if k != "LYNX_SECRET"}
+    for args, says in ((["--listen", "127.0.0.1:0"], "no shared secret"),
+                       (["--listen", "0.0.0.0:0", "--insecure"], "loopback only")):
+        p = subprocess.run([sys.executable, "-m", "lynx_hf.cli", "serve-prefill", *args], env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode != 0 and says in p.stderr and "Traceback" not in p.stderr
+
+
+def test_hello_reveals_nothing_and_a_wrong_mac_gets_one_generic_refusal(tiny):
+    srv = P.PrefillServer(tiny, secret=SECRET).start()
+    try:
+        s = socket.create_connection(srv.address, timeout=5)
+        ch = Channel(TcpTransport(s))
+        hello = ch.recv(5, FrameType.HELLO).json()
+        assert set(hello) == {"role", "nonce"}  # no fingerprint, no model, before the client proves the secret
+        ch.send_json(FrameType.HELLO, {"role": "decode", "nonce": "a" * 32, "mac": "0" * 64})
+        with pytest.raises(WireError, match="refused"):
+            ch.recv(5)
+        ch.close()
+        with pytest.raises(WireError, match="authentication failed"):
+            DecodeClient(tiny, *srv.address, secret="wrong")
+        DecodeClient(tiny, *srv.address, secret=SECRET).close()  # and it serves on
+    finally:
+        srv.close()
+
+
+def test_handshake_has_one_deadline_and_a_size_bound(tiny):
+    srv = P.PrefillServer(tiny, secret=SECRET, handshake_timeout=1.5).start()
+    try:
+        s = socket.create_connection(srv.address, timeout=5)  # trickles a byte every 0.3 s
+        stop = threading.Event()
+
+        def trickle():
+            while not stop.wait(0.3):
+                try:
+                    s.send(b"L")
+                except OSError:
+                    return
+
+        threading.Thread(target=trickle, daemon=True).start()
+        frames, eof_after = read_frames(s, 10)
+        stop.set()
+        assert eof_after is not None and eof_after < 4.0, eof_after  # closed at the deadline, not kept alive
+        assert [f.type for f in frames] == [FrameType.HELLO, FrameType.ERROR]
+        s = socket.create_connection(srv.address, timeout=5)  # a HELLO declaring 1 MiB is refused from its header
+        s.sendall(encode_frame(FrameType.HELLO, Stream.CONTROL, 0, 0, bytes(1 << 20))[:HEADER.size])
+        frames, eof_after = read_frames(s, 10)
+        assert eof_after < 1.0 and "limit" in frames[-1].json()["error"]
+    finally:
+        srv.close()
+
+
+def test_connection_limit_refuses_clearly(tiny):
+    srv = P.PrefillServer(tiny, secret=SECRET, max_connections=2).start()
+    try:
+        idle = [socket.create_connection(srv.address, timeout=5) for _ in range(2)]
+        time.sleep(0.3)
+        frames, _ = read_frames(socket.create_connection(srv.address, timeout=5), 5)
+        assert frames[-1].type == FrameType.ERROR and "too many connections" in frames[-1].json()["error"]
+        for s in idle:
+            s.close()
+        t0 = time.monotonic()
+        while srv.connections and time.monotonic() - t0 < 10:
+            time.sleep(0.1)
+        DecodeClient(tiny, *srv.address, secret=SECRET).close()  # a slot is free again
+    finally:
+        srv.close()
+
+
+def test_a_long_transfer_does_not_stall_a_short_request(tiny):
+    """Two clients, one link each (0.4 Mbit/s emulated): a 10-token request's TTFT is its own, not the time left
+    on another client's 200 KB transfer."""
+    srv = P.PrefillServer(tiny, secret=SECRET, bandwidth_bps=0.4e6).start()
+    try:
+        short, long_ = DecodeClient(tiny, *srv.address, secret=SECRET), DecodeClient(tiny, *srv.address, secret=SECRET)
+        alone = min(short.generate(ids(10, 1), Q(), max_new_tokens=2)["ttft_s"] for _ in range(2))
+        th = threading.Thread(target=lambda: long_.generate(ids(200, 2), Q(method="identity"), max_new_tokens=2))
+        th.start()
+        time.sleep(1.0)  # its prefill is done; its KV is on the emulated link for seconds more
+        busy = short.generate(ids(10, 1), Q(), max_new_tokens=2)["ttft_s"]
+        th.join(60)
+        assert busy < alone + 1.0, (alone, busy)
+        short.close()
+        long_.close()
+    finally:
+        srv.close()
+
+
+def test_a_failed_send_fails_every_frame_queued_after_it():
+    class Breaks(Transport):
+        def _write(self, frame, priority):
+            time.sleep(0.05)
+            raise ConnectionError("link down")
+
+    t = Breaks()
+    futs = [t.start_send(b"x" * 10) for _ in range(5)]
+    for f in futs:
+        with pytest.raises(ConnectionError):
+            f.result(5)
+    with pytest.raises(ConnectionError, match="earlier send failed"):
+        t.start_send(b"late").result(1)
+
+
+def _fake_prefill(model, prompt_patch: dict):
+    """A server that authenticates properly, then lies in its PROMPT frame."""
+    sock = socket.create_server(("127.0.0.1", 0))
+
+    def run():
+        conn, _ = sock.accept()
+        ch = Channel(TcpTransport(conn))
+        server_handshake(ch, SECRET.encode(), fingerprint(model))
+        f = ch.recv(10, FrameType.REQUEST)
+        p = P.kv_handshake(model, f.request_id, len(f.json()["input_ids"]), Q())
+        ch.send_json(FrameType.PROMPT, {**p, **prompt_patch}, f.request_id)
+        time.sleep(1)
+        ch.close()
+
+    threading.Thread(target=run, daemon=True).start()
+    return sock
+
+
+@pytest.mark.parametrize("patch", [{"num_layers": 1, "windows": [None]}, {"kv_heads": 64}, {"head_dim": 4096},
+                                   {"dtype": "float16"}, {"batch": 8}, {"vocab": 10}])
+def test_prompt_geometry_is_checked_before_anything_is_allocated(tiny, patch):
+    sock = _fake_prefill(tiny, patch)
+    cli = DecodeClient(tiny, *sock.getsockname()[:2], secret=SECRET)
+    with pytest.raises(WireError, match="does not match this model"):
+        cli.generate(ids(12, 3), Q(), max_new_tokens=2)
+    cli.close()
+    sock.close()
+
+
+def test_eos_first_and_a_loader_failure_after_completion(tiny, monkeypatch):
+    prompt = ids(30, 4)
+    first = int(tiny.generate(torch.tensor([prompt]), max_new_tokens=1, do_sample=False)[0, -1])
+
+    class VanishAtEnd(TcpTransport):
+        def _write(self, frame, priority):
+            if frame[5] == FrameType.END:
+                self.sock.shutdown(socket.SHUT_RDWR)
+                raise ConnectionError("test: peer vanished")
+            super()._write(frame, priority)
+
+    srv = P.PrefillServer(tiny, secret=SECRET).start()
+    try:
+        cli = DecodeClient(tiny, *srv.address, secret=SECRET)
+        r = cli.generate(prompt, Q(), max_new_tokens=5, eos_token_id=first)
+        assert r["tokens"] == [first] and r["ttft_s"] == r["tt32t_s"]  # a first token that is EOS ends it cleanly
+        cli.close()
+    finally:
+        srv.close()
+    monkeypatch.setattr(P, "TcpTransport", VanishAtEnd)
+    srv = P.PrefillServer(tiny, secret=SECRET).start()
+    try:
+        cli = DecodeClient(tiny, *srv.address, secret=SECRET, timeout_s=5)
+        r = cli.generate(prompt, Q(), max_new_tokens=1)  # complete (from the logits) before the stream fails
+        assert r["tokens"] == [first] and r["loader_error"]
+        with pytest.raises(ConnectionError, match="failed earlier"):
+            cli.generate(prompt, Q(), max_new_tokens=1)
+        cli.close()
+    finally:
+        srv.close()
+
+
+def _raw_request(addr, prompt, fp):
+    """An authenticated client that sends one REQUEST and then does whatever the test makes it do."""
+    ch = Channel(TcpTransport.connect(*addr))
+    client_handshake(ch, SECRET.encode(), fp)
+    ch.send_json(FrameType.REQUEST, {"input_ids": prompt, "quant_config": Q().to_dict()}, 1)
+    return ch
+
+
+def test_eight_clients_one_stalled_one_vanishing(tiny):
+    """Six clients finish with their solo output; one never reads, one closes mid-residual; then the server's
+    connections, threads and traced memory return to their baseline."""
+    fp = fingerprint(tiny)
+    prompts = [ids(20 + 15 * i, 10 + i) for i in range(6)]
+    srv = P.PrefillServer(tiny, secret=SECRET, bandwidth_bps=4e6).start()
+    try:
+        solo = []
+        for p in prompts:
+            c = DecodeClient(tiny, *srv.address, secret=SECRET)
+            solo.append(c.generate(p, Q(), max_new_tokens=6)["tokens"])
+            c.close()
+        time.sleep(0.5)
+        threads0 = threading.active_count()
+        tracemalloc.start()
+        mem0 = tracemalloc.get_traced_memory()[0]
+        stalled = _raw_request(srv.address, ids(300, 20), fp)  # never reads a byte of its answer
+        vanishing = _raw_request(srv.address, ids(300, 21), fp)
+        out = [None] * 6
+
+        def run(i):
+            c = DecodeClient(tiny, *srv.address, secret=SECRET)
+            out[i] = c.generate(prompts[i], Q(), max_new_tokens=6)["tokens"]
+            c.close()
+
+        ths = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+        for t in ths:
+            t.start()
+        while vanishing.recv(10).stream != Stream.RESIDUAL:
+            pass
+        vanishing.t.sock.shutdown(socket.SHUT_RDWR)  # gone mid-residual
+        vanishing.close()
+        for t in ths:
+            t.join(120)
+        assert out == solo
+        stalled.close()
+        t0 = time.monotonic()
+        while (srv.connections or threading.active_count() > threads0) and time.monotonic() - t0 < 20:
+            time.sleep(0.2)
+        assert srv.connections == 0 and threading.active_count() <= threads0
+        grown = tracemalloc.get_traced_memory()[0] - mem0
+        tracemalloc.stop()
+        assert grown < 4 << 20, grown
+    finally:
+        srv.close()
+
+
+def test_fingerprint_covers_every_parameter(tiny):
+    fp = fingerprint(tiny)
+    last_name, last = list(tiny.named_parameters())[-1]
+    with torch.no_grad():
+        last.view(-1)[-1] += 1.0  # the last element of the last tensor
+    try:
+        assert fingerprint(tiny) != fp, last_name
+    finally:
+        with torch.no_grad():
+            last.view(-1)[-1] -= 1.0
+    assert fingerprint(tiny) == fp
