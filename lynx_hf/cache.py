@@ -268,15 +268,19 @@ class LynxCache(Cache):
         return self.layers[i]
 
     # -- decode side --------------------------------------------------------------------------------------------------
+    # What arrived whole stays usable after a later loader failure; the failure is raised to whoever still waits.
     def anchors_ready(self) -> bool:
         with self._lock:
-            self._raise_if_failed()
-            return all(l.anchors_complete() for l in self.layers)
+            return self._ready_or_raise(all(l.anchors_complete() for l in self.layers))
 
     def residual_ready(self) -> bool:
         with self._lock:
+            return self._ready_or_raise(all(l.residual_complete() for l in self.layers))
+
+    def _ready_or_raise(self, ready: bool) -> bool:
+        if not ready:
             self._raise_if_failed()
-            return all(l.residual_complete() for l in self.layers)
+        return ready
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -287,8 +291,7 @@ class LynxCache(Cache):
         deadline = time.monotonic() + timeout
         with self._changed:
             while True:
-                self._raise_if_failed()
-                if ready():
+                if self._ready_or_raise(ready()):
                     return
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -308,8 +311,8 @@ class LynxCache(Cache):
         return self.prefill_logits
 
     def set_tier(self, tier: str) -> None:
+        """Materialise every layer's prompt at `tier` (after wait_anchors / wait_residual)."""
         with self._lock:
-            self._raise_if_failed()
             for l in self.layers:
                 l.set_tier(tier, self.dtype, self.device)
 
