@@ -291,3 +291,40 @@ def test_fingerprint_covers_every_parameter(tiny):
         with torch.no_grad():
             last.view(-1)[-1] -= 1.0
     assert fingerprint(tiny) == fp
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory):
+    """A self-signed certificate for 127.0.0.1 / localhost, made with the openssl command."""
+    import shutil
+
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is needed to make a test certificate")
+    d = tmp_path_factory.mktemp("tls")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(d / "key.pem"),
+                    "-out", str(d / "cert.pem")], check=True, capture_output=True, timeout=60)
+    return str(d / "cert.pem"), str(d / "key.pem")
+
+
+def test_tls_end_to_end_and_plain_clients_are_refused(tiny, certificate):
+    cert, key = certificate
+    prompt = ids(120, 7)
+    plain_srv = P.PrefillServer(tiny, secret=SECRET).start()
+    srv = P.PrefillServer(tiny, secret=SECRET, tls_cert=cert, tls_key=key, handshake_timeout=2).start()
+    try:
+        ref = DecodeClient(tiny, *plain_srv.address, secret=SECRET)
+        want = [ref.generate(prompt, Q(), max_new_tokens=6)["tokens"] for _ in range(2)]
+        ref.close()
+        cli = DecodeClient(tiny, *srv.address, secret=SECRET, tls_ca=cert)
+        assert [cli.generate(prompt, Q(), max_new_tokens=6)["tokens"] for _ in range(2)] == want
+        cli.close()
+        t0 = time.monotonic()
+        with pytest.raises((WireError, ConnectionError, TimeoutError)):
+            DecodeClient(tiny, *srv.address, secret=SECRET, timeout_s=5)  # no TLS: never gets a frame
+        assert time.monotonic() - t0 < 10
+        with pytest.raises(ConnectionError, match="TLS handshake failed"):
+            DecodeClient(tiny, *srv.address, secret=SECRET, tls=True)  # the system CAs do not vouch for it
+    finally:
+        srv.close()
+        plain_srv.close()

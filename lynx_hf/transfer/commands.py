@@ -50,6 +50,7 @@ def _serve_prefill(a):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     model, _ = lynx_hf.load_default_model(a.model)
     srv = PrefillServer(model, host, port, secret=a.secret, insecure=a.insecure, max_connections=a.max_connections,
+                        tls_cert=a.tls_cert, tls_key=a.tls_key,
                         bandwidth_bps=a.bandwidth_mbps * 1e6 if a.bandwidth_mbps else None, latency_s=a.latency_ms / 1e3)
     logging.getLogger("lynx_hf.prefill").info("serving on %s:%s", *srv.address)
     try:
@@ -67,7 +68,7 @@ def _serve_decode(a):
     host, port = _hostport(a.prefill)
     _secret_or_exit(a, host)
     model, tok = lynx_hf.load_default_model(a.model)
-    cli = DecodeClient(model, host, port, secret=a.secret, insecure=a.insecure)
+    cli = DecodeClient(model, host, port, secret=a.secret, insecure=a.insecure, tls=a.tls, tls_ca=a.tls_ca)
     cfg = LynxQuantConfig(method=a.method)
     prompts = [a.prompt] if a.prompt else ([open(a.prompt_file).read()] if a.prompt_file else (l.rstrip("\n") for l in sys.stdin))
     for text in prompts:
@@ -90,6 +91,8 @@ def register(sub) -> None:
     p.add_argument("--max-connections", type=int, default=32)
     p.add_argument("--secret", help=SECRET_HELP)
     p.add_argument("--insecure", action="store_true", help="no secret: a publicly known key (loopback only)")
+    p.add_argument("--tls-cert", help="PEM certificate chain: speak TLS (for links that leave the rack)")
+    p.add_argument("--tls-key", help="PEM private key for --tls-cert (if not inside it)")
     p.add_argument("--model", help=MODEL_HELP)
     p.set_defaults(fn=_serve_prefill)
 
@@ -102,5 +105,7 @@ def register(sub) -> None:
     q.add_argument("--no-drafts", action="store_true", help="wait for the full tier (reference decoding)")
     q.add_argument("--secret", help=SECRET_HELP)
     q.add_argument("--insecure", action="store_true", help="no secret: a publicly known key (loopback only)")
+    q.add_argument("--tls", action="store_true", help="speak TLS, trusting the system's CAs")
+    q.add_argument("--tls-ca", help="speak TLS, trusting this PEM file (a private CA or the server's own certificate)")
     q.add_argument("--model", help=MODEL_HELP)
     q.set_defaults(fn=_serve_decode)

@@ -3,6 +3,8 @@ sends a request to a prefill server, builds the LynxCache from the KV handshake,
 `model.generate(prompt, cache=..., custom_generate=speculative_generate)`."""
 from __future__ import annotations
 
+import socket
+import ssl
 import threading
 import time
 
@@ -13,7 +15,7 @@ from ..config import LynxQuantConfig, SpecConfig
 from ..loader import Loader
 from .serde import check_residual, to_split, unpack_chunk, unpack_logits
 from .session import Channel, client_handshake, fingerprint, kv_geometry, resolve_secret
-from .transport import TcpTransport
+from .transport import TcpTransport, TlsTcpTransport
 from .wire import FrameType, Stream, WireError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -86,10 +88,18 @@ class DecodeClient:
     """The decode process's side of one connection to a prefill server."""
 
     def __init__(self, model, host: str, port: int, secret: str | None = None, timeout_s: float = 30.0,
-                 insecure: bool = False):
+                 insecure: bool = False, tls: bool = False, tls_ca: str | None = None):
+        """tls / tls_ca: speak TLS, trusting the system's CAs or the PEM file `tls_ca` (a private CA or a
+        self-signed server certificate); the server's certificate must name `host`."""
         self.model, self.timeout = model, timeout_s
         key = resolve_secret(secret, insecure)
-        self.ch = Channel(TcpTransport.connect(host, port))
+        if tls or tls_ca:
+            ctx = ssl.create_default_context(cafile=tls_ca)
+            sock = socket.create_connection((host, port), timeout=timeout_s)
+            t = TlsTcpTransport(sock, ctx, server_side=False, server_hostname=host, timeout=timeout_s)
+        else:
+            t = TcpTransport.connect(host, port)
+        self.ch = Channel(t)
         self._rid = 0
         self._broken: BaseException | None = None
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import ssl
 import threading
 import time
 
@@ -20,7 +21,7 @@ from ..quant import encode
 from .serde import pack_chunk, pack_logits
 from .session import Channel, fingerprint, kv_geometry, resolve_secret, server_handshake
 from ..link import LinkEmulator
-from .transport import PRIO_ANCHOR, PRIO_END, PRIO_RESIDUAL, TcpTransport
+from .transport import PRIO_ANCHOR, PRIO_END, PRIO_RESIDUAL, TcpTransport, TlsTcpTransport
 from .wire import MAX_JSON, FrameType, PeerClosed, Stream, WireError, json_frame
 
 log = logging.getLogger("lynx_hf.prefill")
@@ -91,8 +92,13 @@ class PrefillServer:
 
     def __init__(self, model, host: str = "127.0.0.1", port: int = 0, secret: str | None = None,
                  bandwidth_bps: float | None = None, latency_s: float = 0.0, handshake_timeout: float = 10.0,
-                 max_connections: int = 32, insecure: bool = False):
+                 max_connections: int = 32, insecure: bool = False, tls_cert: str | None = None,
+                 tls_key: str | None = None):
         self.model, self.secret, self.fp = model, resolve_secret(secret, insecure), fingerprint(model)
+        self.tls = None
+        if tls_cert:  # TLS on top of the frame MACs: confidentiality for links that leave the rack
+            self.tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            self.tls.load_cert_chain(tls_cert, tls_key)
         self.bw, self.latency, self.hs_timeout, self.max_conn = bandwidth_bps, latency_s, handshake_timeout, max_connections
         self.sock = socket.create_server((host, port), reuse_port=False)
         self.address = self.sock.getsockname()[:2]
@@ -137,7 +143,16 @@ class PrefillServer:
         conn.close()
 
     def _handle(self, conn: socket.socket, addr) -> None:
-        ch = Channel(TcpTransport(conn, LinkEmulator(self.bw, self.latency)))
+        link = LinkEmulator(self.bw, self.latency)
+        try:
+            t = TcpTransport(conn, link) if self.tls is None else \
+                TlsTcpTransport(conn, self.tls, server_side=True, link=link, timeout=self.hs_timeout)
+        except ConnectionError as e:
+            log.warning("client %s dropped: %s", addr, e)
+            with self._conns_lock:
+                self._conns -= 1
+            return
+        ch = Channel(t)
         try:
             server_handshake(ch, self.secret, self.fp, self.hs_timeout)
             while True:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import queue
 import socket
+import ssl
 import threading
 import time
 from concurrent.futures import Future
@@ -108,7 +109,7 @@ class TcpTransport(Transport):
     def connect(cls, host: str, port: int, timeout: float = 10.0, link=None) -> "TcpTransport":
         return cls(socket.create_connection((host, port), timeout=timeout), link)
 
-    def _write(self, frame: bytes, priority: int) -> None:
+    def _mark(self, priority: int) -> None:
         tos = DSCP.get(priority, 0)
         if tos != self._tos:
             try:
@@ -116,7 +117,14 @@ class TcpTransport(Transport):
             except OSError:
                 pass  # marking is best effort (IPv6 or a restricted stack)
             self._tos = tos
+
+    def _write(self, frame: bytes, priority: int) -> None:
+        self._mark(priority)
         self.sock.sendall(frame)
+
+    def _read_some(self, n: int) -> bytes:
+        """Up to n bytes of the stream (b"" at its end); the socket's timeout applies."""
+        return self.sock.recv(min(n, 1 << 20))
 
     def recv(self, timeout: float | None = 30.0, limit: int = MAX_PAYLOAD):
         """One frame within `timeout` seconds in all: a peer trickling bytes cannot stretch it."""
@@ -131,7 +139,7 @@ class TcpTransport(Transport):
                         raise TimeoutError(f"no whole frame from the peer within {timeout} s")
                     self.sock.settimeout(left)
                 try:
-                    chunk = self.sock.recv(min(n - len(buf), 1 << 20))
+                    chunk = self._read_some(n - len(buf))
                 except socket.timeout:
                     raise TimeoutError(f"no whole frame from the peer within {timeout} s") from None
                 except OSError as e:
@@ -146,11 +154,88 @@ class TcpTransport(Transport):
     def close(self) -> None:
         super().close()
         self._sender.join(timeout=5)
+        self._goodbye()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self.sock.close()
+
+    def _goodbye(self) -> None:
+        """Last words on the socket after the sender has stopped (none for plain TCP)."""
+
+
+class TlsTcpTransport(TcpTransport):
+    """TcpTransport inside TLS (the standard library's ssl), for links that leave the rack. The TLS state is an
+    ssl.SSLObject over two memory BIOs, touched under one lock, while the socket is read and written outside it: the
+    sender and the receiver threads never share an SSLSocket (OpenSSL forbids concurrent use of one) and never block
+    each other. The TLS handshake runs in the constructor, within `timeout`."""
+
+    def __init__(self, sock: socket.socket, context: ssl.SSLContext, server_side: bool,
+                 server_hostname: str | None = None, link: LinkEmulator | None = None, timeout: float = 10.0):
+        self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self._tls = context.wrap_bio(self._in, self._out, server_side=server_side, server_hostname=server_hostname)
+        self._tls_lock = threading.Lock()   # the SSLObject
+        self._wire_lock = threading.Lock()  # the order of ciphertext on the socket
+        self.sock = sock
+        sock.settimeout(timeout)
+        try:
+            while True:
+                try:
+                    with self._tls_lock:
+                        self._tls.do_handshake()
+                    self._flush()
+                    break
+                except ssl.SSLWantReadError:
+                    self._flush()
+                    self._pull()
+        except (ssl.SSLError, OSError) as e:
+            sock.close()
+            raise ConnectionError(f"TLS handshake failed: {e}") from None
+        super().__init__(sock, link)
+
+    def _flush(self) -> None:
+        with self._wire_lock:
+            with self._tls_lock:
+                data = self._out.read()
+            if data:
+                self.sock.sendall(data)
+
+    def _pull(self) -> None:
+        raw = self.sock.recv(1 << 16)
+        with self._tls_lock:
+            self._in.write(raw) if raw else self._in.write_eof()
+
+    def _write(self, frame: bytes, priority: int) -> None:
+        self._mark(priority)
+        with self._wire_lock:
+            with self._tls_lock:
+                self._tls.write(frame)
+                data = self._out.read()
+            self.sock.sendall(data)
+
+    def _read_some(self, n: int) -> bytes:
+        while True:
+            with self._tls_lock:
+                try:
+                    return self._tls.read(min(n, 1 << 20))
+                except ssl.SSLWantReadError:
+                    pass
+                except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                    return b""
+            self._flush()  # whatever the TLS layer has to say first (e.g. a key update)
+            self._pull()
+
+    def _goodbye(self) -> None:
+        try:
+            with self._tls_lock:
+                self._tls.unwrap()
+        except (ssl.SSLError, ValueError):
+            pass  # close_notify queued; the peer's answer is not awaited
+        try:
+            self._flush()
+        except OSError:
+            pass
 
 
 class InProcTransport(Transport):
