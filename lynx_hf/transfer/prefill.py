@@ -74,7 +74,8 @@ def serve_request(model, ch: Channel, req: dict, rid: int, compute: threading.Lo
     futs = []
     cap = PromptCapture(model.config, lambda i, k, v: futs.extend(send_layer(ch, rid, cfg, i, k, v, P - k.shape[2])), P)
     with compute or contextlib.nullcontext():
-        out = model(input_ids=torch.tensor([ids]), cache=cap, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=torch.tensor([ids], device=next(model.parameters()).device), cache=cap, use_cache=True,
+                    logits_to_keep=1)
     prefill_s = time.perf_counter() - t0
     ch.send_binary(FrameType.FIRST, Stream.CONTROL, rid, pack_logits(out.logits[:, -1]), PRIO_ANCHOR)
     end = ch.send_json(FrameType.END, {"anchor_frames": ch.out_seq[Stream.ANCHOR],

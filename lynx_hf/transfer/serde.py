@@ -25,7 +25,7 @@ def pack_tensors(tensors: dict) -> bytes:
     out = [bytes([len(tensors)])]
     for name, t in tensors.items():
         nb = name.encode()
-        t = t.contiguous()
+        t = t.detach().contiguous().cpu()
         out += [bytes([len(nb)]), nb, TENS.pack(DTYPES.index(t.dtype), t.dim()), struct.pack(f"<{t.dim()}I", *t.shape),
                 t.view(torch.uint8).numpy().tobytes() if t.numel() else b""]
     return b"".join(out)
@@ -88,7 +88,7 @@ def unpack_chunk(payload: bytes):
 
 def pack_logits(logits: torch.Tensor) -> bytes:
     """FIRST payload: the prefill's last-position logits [B, V], in the model's dtype (exact)."""
-    return pack_tensors({"logits": logits.detach().cpu()})
+    return pack_tensors({"logits": logits})
 
 
 def unpack_logits(payload: bytes, batch: int, vocab: int, dtype: torch.dtype) -> torch.Tensor:
