@@ -14,7 +14,7 @@ if not _cuda:
 import pytest
 import torch
 
-FIXTURES = Path(__file__).parent / "fixtures"  # small public-data slices: tests never read ../shared
+FIXTURES = Path(__file__).parent / "fixtures"  # small public-data slices: tests read nothing outside the clone
 
 
 @pytest.fixture(scope="session")
