@@ -18,8 +18,8 @@ import time
 import torch
 
 from .transport import PRIO_ANCHOR, Transport
-from .wire import (FLAG_MAC, MAX_HANDSHAKE, MAX_PAYLOAD, Frame, FrameType, SequenceChecker, Stream, WireError,
-                   encode_frame, json_payload)
+from .wire import (FLAG_MAC, MAX_HANDSHAKE, MAX_PAYLOAD, FrameType, SequenceChecker, Stream, WireError, encode_frame,
+                   header_bytes, json_payload)
 
 SECRET_ENV = "LYNX_SECRET"
 INSECURE_SECRET = b"lynx-hf-insecure: no authentication"  # --insecure (loopback only): a known key, no security
@@ -67,6 +67,13 @@ def kv_geometry(model) -> dict:
             "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "vocab": logits_width(model)}
 
 
+def _tag(key: bytes, header: bytes, body) -> bytes:
+    """A frame's MAC tag: HMAC-SHA256(key, header with CRC zeroed ‖ body)[:TAG], without copying the body."""
+    m = hmac.new(key, header, hashlib.sha256)
+    m.update(body)
+    return m.digest()[:TAG]
+
+
 def _mac(key: bytes, *parts: str) -> str:
     return hmac.new(key, "|".join(parts).encode(), hashlib.sha256).hexdigest()
 
@@ -93,8 +100,7 @@ class Channel:
         self.out_seq[stream] = seq + 1
         if self._send_key is None:
             return encode_frame(ftype, stream, request_id, seq, payload)
-        head = Frame(ftype, stream, request_id & 0xFFFFFFFF, seq, bytes(len(payload) + TAG), FLAG_MAC).header()
-        tag = hmac.new(self._send_key, head + payload, hashlib.sha256).digest()[:TAG]
+        tag = _tag(self._send_key, header_bytes(ftype, stream, request_id, seq, len(payload) + TAG, FLAG_MAC), payload)
         return encode_frame(ftype, stream, request_id, seq, payload + tag, FLAG_MAC)
 
     def send_json(self, ftype: FrameType, obj: dict, request_id: int = 0, priority: int = PRIO_ANCHOR, wait=True):
@@ -113,11 +119,10 @@ class Channel:
                 if f.type == FrameType.ERROR:  # a refusal sent before the peer switched MACs on
                     raise WireError(f"peer reported an error: {f.json().get('error', '?')}")
                 raise WireError(f"{f.type.name} frame without a MAC after the handshake")
-            body, tag = f.payload[:-TAG], f.payload[-TAG:]
-            want = hmac.new(self._recv_key, f.header() + body, hashlib.sha256).digest()[:TAG]
-            if not hmac.compare_digest(tag, want):
+            body = memoryview(f.payload)[:-TAG]
+            if not hmac.compare_digest(f.payload[-TAG:], _tag(self._recv_key, f.header(), body)):
                 raise WireError(f"{f.type.name} frame fails its MAC: forged or corrupted")
-            f.payload, f.flags = body, 0
+            f.payload, f.flags = bytes(body), 0
         elif f.flags & FLAG_MAC:
             raise WireError("MAC-tagged frame before the handshake")
         self.checker.check(f)

@@ -44,6 +44,11 @@ class Stream(enum.IntEnum):
     RESIDUAL = 2
 
 
+def header_bytes(ftype: FrameType, stream: Stream, request_id: int, seq: int, length: int, flags: int = 0) -> bytes:
+    """A frame's header with its CRC field zeroed."""
+    return HEADER.pack(MAGIC, VERSION, int(ftype), int(stream), flags, request_id & 0xFFFFFFFF, seq, length, 0)
+
+
 @dataclass
 class Frame:
     type: FrameType
@@ -55,8 +60,7 @@ class Frame:
 
     def header(self) -> bytes:
         """The header as sent, CRC field zeroed: what a frame MAC covers along with the payload."""
-        return HEADER.pack(MAGIC, VERSION, int(self.type), int(self.stream), self.flags, self.request_id, self.seq,
-                           len(self.payload), 0)
+        return header_bytes(self.type, self.stream, self.request_id, self.seq, len(self.payload), self.flags)
 
     def json(self) -> dict:
         if len(self.payload) > MAX_JSON:
@@ -73,7 +77,7 @@ class Frame:
 def encode_frame(ftype: FrameType, stream: Stream, request_id: int, seq: int, payload: bytes, flags: int = 0) -> bytes:
     if len(payload) > MAX_PAYLOAD:
         raise WireError(f"payload of {len(payload)} bytes exceeds MAX_PAYLOAD {MAX_PAYLOAD}")
-    head = HEADER.pack(MAGIC, VERSION, int(ftype), int(stream), flags, request_id & 0xFFFFFFFF, seq, len(payload), 0)
+    head = header_bytes(ftype, stream, request_id, seq, len(payload), flags)
     crc = zlib.crc32(payload, zlib.crc32(head))
     return head[:-4] + struct.pack("<I", crc) + payload
 
