@@ -20,6 +20,7 @@ streams), one dequantized prompt in the model dtype ([B, H_kv, S_held, D] for K 
 ([B, H_kv, T, D] each). The cache knows nothing about sockets or sampling."""
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 import warnings
@@ -70,6 +71,9 @@ class LynxLayer(CacheLayerMixin):
         self.held = prompt_len if sliding_window is None else min(prompt_len, sliding_window)
         self.offset = prompt_len - self.held  # absolute position of keys[..., 0, :]
         self.segments = {k: {} for k in KINDS}  # kind -> {start: SplitKV}, each covering [start, start + S_seg)
+        self._starts = {k: [] for k in KINDS}   # kind -> sorted segment starts
+        self._tokens = {k: 0 for k in KINDS}    # kind -> prompt tokens covered by anchors
+        self._missing = 0                       # split segments whose residual has not arrived
         self.tier = None
         self.rerun = 0  # leading positions of the next update that the layer already holds (plain generate())
 
@@ -81,10 +85,15 @@ class LynxLayer(CacheLayerMixin):
         if start < self.offset or end > self.prompt_len:
             raise ValueError(f"segment [{start}, {end}) lies outside the layer's prompt KV [{self.offset}, "
                              f"{self.prompt_len})")
-        for s0, seg in self.segments[kind].items():  # coverage is a set of disjoint intervals
-            if start < s0 + seg.shape[2] and s0 < end:
-                raise ValueError(f"{kind} segment [{start}, {end}) overlaps [{s0}, {s0 + seg.shape[2]}) (duplicate?)")
-        self.segments[kind][start] = split
+        starts, segs = self._starts[kind], self.segments[kind]  # coverage is a set of disjoint intervals
+        i = bisect.bisect_left(starts, start)
+        for s0 in starts[max(i - 1, 0): i + 1]:  # only the neighbours can overlap
+            if start < s0 + segs[s0].shape[2] and s0 < end:
+                raise ValueError(f"{kind} segment [{start}, {end}) overlaps [{s0}, {s0 + segs[s0].shape[2]}) (duplicate?)")
+        starts.insert(i, start)
+        segs[start] = split
+        self._tokens[kind] += split.shape[2]
+        self._missing += codec(split.config).split and split.residual is None
 
     def put_residual(self, kind: str, start: int, residual: torch.Tensor) -> None:
         seg = self.segments[kind].get(start)
@@ -98,20 +107,20 @@ class LynxLayer(CacheLayerMixin):
         if tuple(residual.shape) != want or residual.dtype != torch.uint8:
             raise ValueError(f"residual shape {tuple(residual.shape)} {residual.dtype}, expected {want} uint8")
         seg.residual = residual
+        self._missing -= 1
 
     def _covered(self, kind: str) -> int:
-        return sum(s.shape[2] for s in self.segments[kind].values())
+        return self._tokens[kind]
 
     def anchors_complete(self) -> bool:
-        return all(self._covered(k) == self.held for k in KINDS)
+        return all(self._tokens[k] == self.held for k in KINDS)
 
     def residual_complete(self) -> bool:
-        return self.anchors_complete() and all(
-            s.residual is not None or not codec(s.config).split for k in KINDS for s in self.segments[k].values())
+        return self.anchors_complete() and self._missing == 0
 
     # -- tiers ------------------------------------------------------------------------------------------------------
     def _dequant(self, kind: str, tier: str) -> torch.Tensor:
-        parts = [decode(self.segments[kind][s], tier) for s in sorted(self.segments[kind])]
+        parts = [decode(self.segments[kind][s], tier) for s in self._starts[kind]]
         return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
 
     def set_tier(self, tier: str, dtype: torch.dtype, device) -> None:
