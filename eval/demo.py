@@ -61,8 +61,9 @@ def _start_server(port: int, bandwidth_bps: float, secret: str, model: str | Non
 
 
 def _row(r: dict) -> dict:
+    st = r["stats"]
     return {**{k: r[k] for k in ("ttft_s", "ttft_verified_s", "tt32t_s", "bytes")},
-            "drafted": r["stats"]["drafted"], "accepted": r["stats"]["accepted"]}
+            **{k: st.get(k) for k in ("drafted", "accepted", "tree_nodes", "anchors_at_s", "residual_at_s", "verify_s")}}
 
 
 def plot_timeline(runs: dict, path: Path, bandwidth_bps: float) -> None:

@@ -178,6 +178,17 @@ class LynxLayer(CacheLayerMixin):
         self.keys = self.keys[..., :keep, :]
         self.values = self.values[..., :keep, :]
 
+    def keep_tail(self, start: int, index: torch.Tensor) -> None:
+        """Keep the absolute positions before `start`, then per row the positions start + index[b] ([B, k]), in that
+        order; drop the rest (a verified tree path's KV, gathered in place)."""
+        s = start - self.offset
+        if s < self.held or s > self.keys.shape[-2]:
+            raise ValueError(f"keep_tail start {start} outside the decode-side tail")
+        i = index.to(self.keys.device)[:, None, :, None]                       # [B, 1, k, 1]
+        i = i.expand(self.keys.shape[0], self.keys.shape[1], i.shape[2], self.keys.shape[3])
+        self.keys = torch.cat([self.keys[..., :s, :], self.keys[..., s:, :].gather(2, i)], dim=-2)
+        self.values = torch.cat([self.values[..., :s, :], self.values[..., s:, :].gather(2, i)], dim=-2)
+
     def reset(self) -> None:
         """Drop the decode-side tail; the transferred prompt stays."""
         if self.is_initialized:
@@ -228,6 +239,7 @@ class LynxCache(Cache):
         self.used = False  # a generation has consumed this cache (one request per cache)
         self.stats: dict = {}
         self.events: list = []    # (perf_counter, "anchor" | "residual", layer, kind): arrivals
+        self._res_n, self._res_first, self._res_last = 0, 0.0, 0.0  # residual segments received, first/last time
         self.timeline: list = []  # (perf_counter, "draft" | "verified" | "verify_start"): decode-side tokens
         self.reset_stats()
 
@@ -250,7 +262,10 @@ class LynxCache(Cache):
     def put_residual(self, layer: int, kind: str, start: int, residual: torch.Tensor) -> None:
         with self._changed:
             self._layer(layer).put_residual(kind, start, residual)
-            self.events.append((time.perf_counter(), "residual", layer, kind))
+            t = time.perf_counter()
+            self.events.append((t, "residual", layer, kind))
+            self._res_first = t if self._res_n == 0 else self._res_first
+            self._res_last, self._res_n = t, self._res_n + 1
             self._changed.notify_all()
 
     def put_logits(self, logits: torch.Tensor) -> None:
@@ -324,6 +339,21 @@ class LynxCache(Cache):
         with self._lock:
             for l in self.layers:
                 l.set_tier(tier, self.dtype, self.device)
+
+    def keep_tail(self, start: int, index: torch.Tensor) -> None:
+        """Every layer keeps its positions before `start` and, per row, start + index[b] ([B, k]) after them."""
+        for l in self.layers:
+            l.keep_tail(start, index)
+
+    def residual_eta(self) -> float | None:
+        """Seconds until the residual is complete, extrapolated from the residual segments received so far at their
+        mean interval (None before two have arrived, e.g. a residual released all at once)."""
+        with self._lock:
+            if self._res_n < 2:
+                return None
+            missing = sum(l._missing for l in self.layers)
+            step = (self._res_last - self._res_first) / (self._res_n - 1)
+            return max(0.0, missing * step - (time.perf_counter() - self._res_last))
 
     def notify_drafted(self, n: int) -> None:
         if self.loader is not None:

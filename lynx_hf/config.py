@@ -96,8 +96,19 @@ class SpecConfig:
 
     max_draft_tokens: int = 64
     draft_while_waiting: bool = True
+    tree_width: int = 8
+    tree_branch: int = 4
+    verify_nodes: int = 128
+    tree_temperature: float = 0.1
+    tree_cutoff: float = 10.0
 
     def __post_init__(self):
-        if not isinstance(self.max_draft_tokens, int) or isinstance(self.max_draft_tokens, bool) or \
-                not (0 <= self.max_draft_tokens <= 4096):
-            raise ValueError(f"SpecConfig: max_draft_tokens must be an int in [0, 4096], got {self.max_draft_tokens!r}")
+        for name, lo, hi in (("max_draft_tokens", 0, 4096), ("tree_width", 1, 64), ("tree_branch", 1, 64),
+                             ("verify_nodes", 1, 4096)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not (lo <= v <= hi):
+                raise ValueError(f"SpecConfig: {name} must be an int in [{lo}, {hi}], got {v!r}")
+        for name in ("tree_temperature", "tree_cutoff"):
+            t = getattr(self, name)
+            if not isinstance(t, (int, float)) or isinstance(t, bool) or not (0.0 < float(t) <= 1e4):
+                raise ValueError(f"SpecConfig: {name} must be a number in (0, 1e4], got {t!r}")

@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 from .cache import LynxCache
+from .policy import DraftPolicy
 from .spec import verify_chain
+from .tree_draft import draft_tree, use_tree, verify_tree
 
 
 class _Run:
@@ -47,6 +49,15 @@ class _Run:
     def live(self) -> torch.Tensor:
         """Rows whose next tokens are real: unfinished rows when finished ones are padded, else every row."""
         return self.unfinished if self.pad is not None else torch.ones_like(self.unfinished)
+
+    def pad_mask(self, length: int) -> torch.Tensor | None:
+        """The 2D attention mask over the first `length` positions ([B, length] bool), None without padding."""
+        if self.mask is None:
+            return None
+        extra = length - self.mask.shape[1]
+        if extra > 0:
+            self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], extra)], dim=-1)
+        return self.mask[:, :length].bool()
 
     def forward(self, new_ids: torch.Tensor, n_logits: int) -> torch.Tensor:
         """Run new_ids after the cache's current content; float32 logits of the last n_logits positions."""
@@ -173,10 +184,17 @@ def _generate(run: _Run, bare: bool) -> None:
         cache.wait_residual()
     cache.set_tier("anchor" if drafting else "full")
     if drafting:
-        drafts, probs = _draft(run)
-        cache.wait_residual()
-        cache.stats["residual_at_s"] = time.perf_counter() - run.t0
-        if _verify(run, drafts, probs):
+        if use_tree(run):
+            tree, main = draft_tree(run)
+            cache.wait_residual()
+            cache.stats["residual_at_s"] = time.perf_counter() - run.t0
+            done = verify_tree(run, tree, main)
+        else:
+            drafts, probs = _draft(run)
+            cache.wait_residual()
+            cache.stats["residual_at_s"] = time.perf_counter() - run.t0
+            done = _verify(run, drafts, probs)
+        if done:
             return
     # ordinary decoding on the full tier; the cache holds every verified token but the last
     while True:
@@ -195,8 +213,10 @@ def _draft(run: _Run):
     ctx, drafts, probs = run.ids, [], []
     going = run.unfinished.clone()
     max_len = getattr(run.sc, "max_length", None)
-    while going.any() and len(drafts) < spec.max_draft_tokens and not cache.residual_ready() and (
+    policy = DraftPolicy(cache)
+    while going.any() and len(drafts) < spec.max_draft_tokens and policy.another_step() and (
             max_len is None or ctx.shape[1] < max_len):
+        t = time.perf_counter()
         tok, q = run.pick(run.process(ctx, run.forward(ctx[:, -1:], 1)[:, -1]))
         tok = run.pad_finished(tok)
         ctx = torch.cat([ctx, tok[:, None]], dim=-1)
@@ -209,6 +229,7 @@ def _draft(run: _Run):
             run.streamer.put_provisional(tok.cpu())
             run.pending_drafts += 1
         cache.stats["drafted"] += 1
+        policy.stepped(time.perf_counter() - t)
         cache.notify_drafted(len(drafts))
         going &= ~run.sc(ctx, None)
     stacked = torch.stack(drafts, 1) if drafts else run.ids.new_zeros(run.ids.shape[0], 0)

@@ -8,7 +8,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
-from lynx_hf import LoaderError, LynxCache, LynxQuantConfig as Q, SpeculativeStreamer, speculative_generate
+from lynx_hf import LoaderError, LynxCache, LynxQuantConfig as Q, SpecConfig, SpeculativeStreamer, speculative_generate
 from lynx_hf.loader import InProcessLoader
 
 P, V, EOS, PAD = 6, 16, 1, 0
@@ -16,10 +16,12 @@ P, V, EOS, PAD = 6, 16, 1, 0
 
 class ScriptedLM:
     """Generated token g of row b is full[b][g] on the full tier and anchor[b][g] on the anchor tier (g = 0 is the
-    prefill's first token), whatever came before: a fake causal LM over a one-layer LynxCache."""
+    prefill's first token), whatever came before: a fake causal LM over a one-layer LynxCache. An anchor entry
+    (best, runner_up) is a near-tie (logits 10 and 9.9). Positions come from position_ids when given (tree passes)."""
 
     def __init__(self, full, anchor):
         self.full, self.anchor = full, anchor
+        self.config = SimpleNamespace(_attn_implementation="sdpa")  # takes custom 4D masks (and ignores them)
         self.forwards = []  # (tier, number of new tokens)
 
     def __call__(self, input_ids, cache, use_cache=True, logits_to_keep=1, **kw):
@@ -30,11 +32,16 @@ class ScriptedLM:
         tier = cache.layers[0].tier
         script = self.full if tier == "full" else self.anchor
         self.forwards.append((tier, n))
+        pos = kw.get("position_ids")  # tree passes: per-node positions
         logits = torch.full((B, n, V), -10.0)
         for b in range(B):
             for j in range(n):
-                g = start + j + 1 - P  # the generated index this position predicts
-                logits[b, j, script[b][g]] = 10.0
+                g = (int(pos[b, j]) if pos is not None else start + j) + 1 - P  # the generated index predicted
+                top = script[b][g]
+                if isinstance(top, tuple):  # (best, runner-up): a near-tie
+                    logits[b, j, top[1]] = 9.9
+                    top = top[0]
+                logits[b, j, top] = 10.0
         return SimpleNamespace(logits=logits[:, -logits_to_keep:])
 
 
@@ -44,10 +51,13 @@ class FailingLoader(InProcessLoader):
             self.cache.fail(ConnectionError("peer vanished mid-residual"))
 
 
-def generate(full, anchor, after, max_new, eos=None, streamer=None, loader=InProcessLoader):
+CHAIN = SpecConfig(tree_width=1, tree_branch=1)
+
+
+def generate(full, anchor, after, max_new, eos=None, streamer=None, loader=InProcessLoader, spec=None):
     B = len(full)
     model = ScriptedLM(full, anchor)
-    cache = LynxCache(1, P, Q(), timeout_s=5)
+    cache = LynxCache(1, P, Q(), spec_config=spec, timeout_s=5)
     g = torch.Generator().manual_seed(0)
     loader([(torch.randn(B, 1, P, 2, generator=g), torch.randn(B, 1, P, 2, generator=g))], Q(),
            residual_after_tokens=after).attach(cache)
@@ -139,3 +149,27 @@ def test_misuse_is_refused():
         speculative_generate(*args, cache=cache)
     with pytest.raises(ValueError, match="num_return_sequences"):
         speculative_generate(*args[:4], GenerationConfig(num_return_sequences=2, do_sample=True), cache=cache)
+
+
+def test_tree_keeps_a_near_tie_that_the_chain_loses():
+    anchor = [[2, 3, 4, (9, 5), 6, 7, 8, 9, 10, 11, 12, 13]]  # g = 3: the anchor prefers 9, the full tier its runner-up
+    got_c, st_c, _ = generate([FULL], anchor, after=6, max_new=9, spec=CHAIN)
+    got_t, st_t, m = generate([FULL], anchor, after=6, max_new=9)
+    assert got_c == got_t == [FULL[:9]]
+    assert (st_c["drafted"], st_c["accepted"]) == (6, 2) and (st_t["drafted"], st_t["accepted"]) == (6, 6)
+    full = [n for tier, n in m.forwards if tier == "full"]
+    assert full[0] > 7 and full[1:] == [1]  # one pass over [first token, tree], then the one token left
+
+
+def test_tree_rows_follow_their_own_branches():
+    full = [FULL, [7, 8, 9, 10, 11, 12, 13, 2, 3, 4, 5, 6]]
+    anchor = [[2, (9, 3), 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [7, 8, 9, 10, (2, 11), 12, 13, 2, 3, 4, 5, 6]]
+    got, st, _ = generate(full, anchor, after=5, max_new=8)
+    assert got == [r[:8] for r in full] and st["accepted"] == 5
+
+
+@pytest.mark.parametrize("spec", [None, CHAIN], ids=["tree", "chain"])
+def test_residual_before_any_draft_and_mid_draft_give_the_same_tokens(spec):
+    anchor = [[2, 3, 9, 5, (6, 9), 7, 8, 9, 10, 11, 12, 13]]
+    for after in (0, 1, 3, 7):
+        assert generate([FULL], anchor, after=after, max_new=10, spec=spec)[0] == [FULL[:10]]

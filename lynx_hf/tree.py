@@ -1,0 +1,135 @@
+"""Token trees for drafting, with no model and no cache: growth by cumulative draft probability, the node subset a
+verification pass runs, tree attention masks, and the greedy walk's child lookup.
+
+A tree is drafted per prompt row after the root (the last verified token, not a node). Every row's tree has the
+same shape of bookkeeping — n nodes, each with a token, a parent (node index, or ROOT), a depth ≥ 1 and a score
+(cumulative log-probability of its path under the draft) — so rows stack into [B, n] tensors:
+
+    tokens [B, n] long, parent [B, n] long, depth [B, n] long, score [B, n] float32.
+
+Growth is layer by layer (EAGLE-2 style): a draft step runs the current frontier (m nodes of one depth) in one
+forward pass, gives each its `branch` most probable children, and keeps the m best of those children by score as
+the next frontier. A child's score never exceeds its parent's, so the n best nodes of a tree (ties broken by depth)
+always form a subtree: `best_subtree` picks what a verification pass runs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+ROOT = -1  # parent of the nodes at depth 1: the root (the last verified token)
+
+
+@dataclass
+class Tree:
+    """Growing token tree(s) for B rows; `frontier` [B, m]: node indices of the deepest expandable layer."""
+
+    tokens: torch.Tensor
+    parent: torch.Tensor
+    depth: torch.Tensor
+    score: torch.Tensor
+    frontier: torch.Tensor = field(default=None)
+
+    @classmethod
+    def empty(cls, batch: int, device) -> "Tree":
+        z = torch.zeros(batch, 0, dtype=torch.long, device=device)
+        return cls(z, z.clone(), z.clone(), torch.zeros(batch, 0, device=device), z.clone())
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[1]
+
+    def add_children(self, logp: torch.Tensor, branch: int, width: int, stop: torch.Tensor | None = None,
+                     cutoff: float = float("inf")) -> None:
+        """logp [B, m, V]: the draft's log-probabilities after each frontier node (after the root when the tree is
+        empty, m = 1). Adds each one's `branch` most probable children and makes the best of them by cumulative score
+        the next frontier: at most `width`, never a child whose token is in `stop` [S] (e.g. EOS), none scoring more
+        than `cutoff` below the best new child. The frontier has as many columns as the row that keeps most; it is
+        empty when no row has a child worth expanding (e.g. EOS is all but certain)."""
+        B, m, V = logp.shape
+        if self.size == 0:
+            if m != 1:
+                raise ValueError(f"an empty tree grows from the root alone (m = 1), got m = {m}")
+            par, base, d = torch.full((B, 1), ROOT, device=logp.device), logp.new_zeros(B, 1), 0
+        else:
+            if self.frontier.shape[1] != m:
+                raise ValueError(f"logp has {m} rows per batch row, the frontier {self.frontier.shape[1]}")
+            par, base = self.frontier, self.score.gather(1, self.frontier)
+            d = int(self.depth.gather(1, self.frontier[:, :1]).max())
+        k = min(branch, V)
+        top, tok = logp.float().topk(k, dim=-1)                          # [B, m, k]
+        score = (base[:, :, None] + top).reshape(B, m * k)
+        tok = tok.reshape(B, m * k)
+        par = par[:, :, None].expand(B, m, k).reshape(B, m * k)
+        first = self.size
+        self.tokens = torch.cat([self.tokens, tok], 1)
+        self.parent = torch.cat([self.parent, par], 1)
+        self.depth = torch.cat([self.depth, torch.full_like(tok, d + 1)], 1)
+        self.score = torch.cat([self.score, score], 1)
+        rank = score if stop is None or stop.numel() == 0 else score.masked_fill(torch.isin(tok, stop), float("-inf"))
+        ok = (rank > float("-inf")) & (rank >= score.max(1, keepdim=True).values - cutoff)
+        keep = int(ok.sum(1).max().clamp(max=min(width, m * k)))
+        self.frontier = first + rank.topk(keep, dim=-1).indices  # [B, keep], best first
+
+    def paths(self, nodes: torch.Tensor) -> torch.Tensor:
+        """Tokens from depth 1 down to each node: nodes [B, m] of one depth d → [B, m, d]."""
+        out, cur = [], nodes
+        while True:
+            out.append(self.tokens.gather(1, cur))
+            cur = self.parent.gather(1, cur)
+            if bool((cur == ROOT).all()):
+                break
+            cur = cur.clamp_min(0)
+        return torch.stack(out[::-1], -1)
+
+
+def best_subtree(tree: Tree, n: int, cutoff: float = float("inf")) -> torch.Tensor:
+    """Node indices [B, n'] of the best nodes per row by score (ties: shallower first), sorted by depth then index,
+    so that every node's parent comes before it: at most n, none scoring more than `cutoff` below the row's best
+    deepest node (whose whole path is in, budget permitting), as many per row as the row that keeps most. Always a
+    subtree (ancestor-closed)."""
+    deepest = tree.depth == tree.depth.max(1, keepdim=True).values
+    ref = tree.score.masked_fill(~deepest, float("-inf")).max(1, keepdim=True).values   # [B, 1]
+    n = int((tree.score >= ref - cutoff).sum(1).max().clamp(1, min(n, tree.size)))
+    order = torch.sort(tree.depth, dim=1, stable=True).indices                 # shallower first among ties
+    by_score = torch.sort(tree.score.gather(1, order), dim=1, descending=True, stable=True).indices
+    pick = order.gather(1, by_score[:, :n])                                     # [B, n]
+    key = tree.depth.gather(1, pick) * (tree.size + 1) + pick
+    return pick.gather(1, key.argsort(dim=1))
+
+
+def restrict(tree: Tree, nodes: torch.Tensor):
+    """The subtree on `nodes` [B, n] (ancestor-closed, parents first), re-indexed 0..n-1:
+    (tokens [B, n], parent [B, n] in that numbering or ROOT, depth [B, n])."""
+    B, n = nodes.shape
+    remap = torch.full((B, tree.size), ROOT, dtype=torch.long, device=nodes.device)
+    remap.scatter_(1, nodes, torch.arange(n, device=nodes.device).expand(B, n))
+    par = tree.parent.gather(1, nodes)
+    new_par = torch.where(par == ROOT, par, remap.gather(1, par.clamp_min(0)))
+    if bool(((par != ROOT) & (new_par == ROOT)).any()):
+        raise ValueError("nodes do not form a subtree: a parent is missing")
+    return tree.tokens.gather(1, nodes), new_par, tree.depth.gather(1, nodes)
+
+
+def ancestors(parent: torch.Tensor) -> torch.Tensor:
+    """parent [B, n] (ROOT or an index) → [B, n, n] bool: [b, i, j] is True when node j is node i or one of its
+    ancestors (what node i attends to among the nodes)."""
+    B, n = parent.shape
+    out = torch.eye(n, dtype=torch.bool, device=parent.device).expand(B, n, n).clone()
+    rows = torch.arange(n, device=parent.device).expand(B, n)
+    cur = parent
+    for _ in range(n):
+        live = cur != ROOT
+        if not bool(live.any()):
+            break
+        b, i = live.nonzero(as_tuple=True)
+        out[b, rows[b, i], cur[b, i]] = True
+        cur = torch.where(live, parent.gather(1, cur.clamp_min(0)), cur)
+    return out
+
+
+def child_with_token(parent: torch.Tensor, tokens: torch.Tensor, node: torch.Tensor, token: torch.Tensor):
+    """For each row, the child of `node` [B] (ROOT for the root) that carries `token` [B]: index [B], −1 if none."""
+    hit = (parent == node[:, None]) & (tokens == token[:, None])                 # [B, n]
+    idx = hit.long().argmax(1)
+    return torch.where(hit.any(1), idx, torch.full_like(idx, -1))

@@ -1,0 +1,126 @@
+"""Token-tree math (lynx_hf.tree) on random distributions, against brute force: growth, the verified subtree, the
+re-indexing, the ancestor mask and the child lookup. Exact (integer bookkeeping; scores are sums of log-probs)."""
+import pytest
+import torch
+
+from lynx_hf.tree import ROOT, Tree, ancestors, best_subtree, child_with_token, restrict
+
+B, V = 3, 11
+
+
+def grow(steps, branch, width, stop=None, cutoff=float("inf"), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tree = Tree.empty(B, "cpu")
+    m = 1
+    for _ in range(steps):
+        logp = torch.log_softmax(torch.randn(B, m, V, generator=g) * 3, -1)
+        tree.add_children(logp, branch, width, stop, cutoff)
+        m = tree.frontier.shape[1]
+    return tree
+
+
+def path_of(tree, b, i):
+    out = []
+    while i != ROOT:
+        out.append(i)
+        i = int(tree.parent[b, i])
+    return out[::-1]
+
+
+@pytest.mark.parametrize("branch,width", [(1, 1), (2, 3), (4, 4), (3, 8)])
+def test_growth_invariants(branch, width):
+    tree = grow(6, branch, width)
+    for b in range(B):
+        for i in range(tree.size):
+            p = int(tree.parent[b, i])
+            if p == ROOT:
+                assert tree.depth[b, i] == 1
+            else:
+                assert p < i and tree.depth[b, i] == tree.depth[b, p] + 1
+                assert tree.score[b, i] <= tree.score[b, p]  # a child never outscores its parent
+        # siblings are distinct tokens
+        pairs = {(int(tree.parent[b, i]), int(tree.tokens[b, i])) for i in range(tree.size)}
+        assert len(pairs) == tree.size
+    assert tree.frontier.shape[1] <= width
+    assert int(tree.depth.max()) == 6
+    assert (tree.depth.gather(1, tree.frontier) == 6).all()
+    if branch == width == 1:  # a chain: the greedy line
+        assert tree.size == 6
+
+
+def test_frontier_is_the_best_children_and_skips_stop_tokens():
+    g = torch.Generator().manual_seed(3)
+    tree = Tree.empty(B, "cpu")
+    tree.add_children(torch.log_softmax(torch.randn(B, 1, V, generator=g), -1), 4, 2)
+    logp = torch.log_softmax(torch.randn(B, 2, V, generator=g), -1)
+    stop = logp[0, 0].argmax().reshape(1)  # the best child of row 0's best node is a stop token
+    first = tree.size
+    tree.add_children(logp, 4, 3, stop)
+    new = torch.arange(first, tree.size)
+    for b in range(B):
+        ok = [int(i) for i in new if int(tree.tokens[b, i]) not in stop.tolist()]
+        want = sorted(ok, key=lambda i: -float(tree.score[b, i]))[:3]
+        assert sorted(tree.frontier[b].tolist()) == sorted(want)
+
+
+def test_cutoff_narrows_the_frontier_and_a_certain_stop_ends_it():
+    g = torch.Generator().manual_seed(5)
+    tree = Tree.empty(B, "cpu")
+    tree.add_children(torch.log_softmax(torch.randn(B, 1, V, generator=g), -1), 4, 4, cutoff=0.0)
+    assert tree.frontier.shape[1] == 1  # only the best child is within 0 nats of the best
+    logp = torch.full((B, 1, V), -50.0)
+    logp[:, :, 7] = 0.0  # token 7 is certain, and it stops
+    tree.add_children(logp, 4, 4, torch.tensor([7]), cutoff=10.0)
+    assert tree.frontier.shape[1] == 0
+
+
+def test_best_subtree_is_ancestor_closed_sorted_and_holds_the_best_path():
+    tree = grow(7, 3, 4)
+    for n in (1, 5, 17, 1000):
+        nodes = best_subtree(tree, n, cutoff=3.0)
+        for b in range(B):
+            s = set(nodes[b].tolist())
+            assert len(s) == nodes.shape[1]
+            for i in s:
+                assert set(path_of(tree, b, i)) <= s  # ancestor-closed
+            d = tree.depth[b, nodes[b]]
+            assert (d[1:] >= d[:-1]).all()  # parents first
+            best = int(tree.frontier[b, 0])  # the best deepest node
+            if n >= int((tree.score[b] >= tree.score[b, best]).sum()):  # budget permitting, its path is in
+                assert set(path_of(tree, b, best)) <= s
+
+
+def test_restrict_and_ancestors_match_brute_force():
+    tree = grow(5, 3, 3)
+    nodes = best_subtree(tree, 12)
+    tok, par, dep = restrict(tree, nodes)
+    anc = ancestors(par)
+    for b in range(B):
+        for j in range(nodes.shape[1]):
+            i = int(nodes[b, j])
+            assert tok[b, j] == tree.tokens[b, i] and dep[b, j] == tree.depth[b, i]
+            want = {nodes[b].tolist().index(a) for a in path_of(tree, b, i)}
+            assert set(anc[b, j].nonzero().flatten().tolist()) == want
+
+
+def test_restrict_refuses_a_set_that_is_not_a_subtree():
+    tree = grow(3, 2, 2)
+    deep = (tree.depth == 3).long().argmax(1, keepdim=True)
+    with pytest.raises(ValueError, match="subtree"):
+        restrict(tree, deep)
+
+
+def test_child_with_token():
+    parent = torch.tensor([[ROOT, ROOT, 0, 0, 2], [ROOT, 0, 1, 1, ROOT]])
+    tokens = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 8, 9]])
+    assert child_with_token(parent, tokens, torch.tensor([ROOT, ROOT]), torch.tensor([6, 9])).tolist() == [1, 4]
+    assert child_with_token(parent, tokens, torch.tensor([0, 1]), torch.tensor([8, 7])).tolist() == [3, 2]
+    assert child_with_token(parent, tokens, torch.tensor([4, 1]), torch.tensor([9, 6])).tolist() == [-1, -1]
+
+
+def test_paths():
+    tree = grow(4, 2, 2)
+    paths = tree.paths(tree.frontier)
+    for b in range(B):
+        for j, i in enumerate(tree.frontier[b].tolist()):
+            assert paths[b, j].tolist() == [int(tree.tokens[b, a]) for a in path_of(tree, b, i)]
