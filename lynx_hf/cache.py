@@ -75,6 +75,7 @@ class LynxLayer(CacheLayerMixin):
         self._tokens = {k: 0 for k in KINDS}    # kind -> prompt tokens covered by anchors
         self._missing = 0                       # split segments whose residual has not arrived
         self.tier = None
+        self.pending_full = False  # switch to the full tier at the next update (LynxCache.set_full_tier_per_layer)
         self.rerun = 0  # leading positions of the next update that the layer already holds (plain generate())
 
     # -- filled by the loader (under LynxCache's lock) --------------------------------------------------------------
@@ -240,6 +241,7 @@ class LynxCache(Cache):
         self.stats: dict = {}
         self.events: list = []    # (perf_counter, "anchor" | "residual", layer, kind): arrivals
         self._res_n, self._res_first, self._res_last = 0, 0.0, 0.0  # residual segments received, first/last time
+        self.residual_done_at: float | None = None  # perf_counter when the last residual segment landed
         self.timeline: list = []  # (perf_counter, "draft" | "verified" | "verify_start"): decode-side tokens
         self.reset_stats()
 
@@ -266,6 +268,8 @@ class LynxCache(Cache):
             self.events.append((t, "residual", layer, kind))
             self._res_first = t if self._res_n == 0 else self._res_first
             self._res_last, self._res_n = t, self._res_n + 1
+            if all(l.residual_complete() for l in self.layers):
+                self.residual_done_at = t
             self._changed.notify_all()
 
     def put_logits(self, logits: torch.Tensor) -> None:
@@ -340,6 +344,20 @@ class LynxCache(Cache):
             for l in self.layers:
                 l.set_tier(tier, self.dtype, self.device)
 
+    def set_full_tier_per_layer(self) -> None:
+        """Switch to the full tier layer by layer: each layer's next `update` (its turn in the next forward pass)
+        first waits for that layer's residual, then materialises it. A forward pass started before the residual is
+        complete thus runs each layer as soon as its residual has landed (verification overlaps the transfer)."""
+        for l in self.layers:
+            l.pending_full = True
+
+    def _materialise_pending(self, i: int) -> None:
+        layer = self.layers[i]
+        self._wait(layer.residual_complete, f"residual stream of layer {i}", None)
+        with self._lock:
+            layer.set_tier("full", self.dtype, self.device)
+        layer.pending_full = False
+
     def keep_tail(self, start: int, index: torch.Tensor) -> None:
         """Every layer keeps its positions before `start` and, per row, start + index[b] ([B, k]) after them."""
         for l in self.layers:
@@ -365,6 +383,8 @@ class LynxCache(Cache):
             self.loader.close()
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if self.layers[layer_idx].pending_full:
+            self._materialise_pending(layer_idx)
         if self.layers[layer_idx].tier is None:
             self._start_plain_generate()
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)

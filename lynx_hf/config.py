@@ -101,6 +101,7 @@ class SpecConfig:
     verify_nodes: int = 128
     tree_temperature: float = 0.1
     tree_cutoff: float = 10.0
+    verify_lead: float = 1.0
 
     def __post_init__(self):
         for name, lo, hi in (("max_draft_tokens", 0, 4096), ("tree_width", 1, 64), ("tree_branch", 1, 64),
@@ -108,7 +109,7 @@ class SpecConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not (lo <= v <= hi):
                 raise ValueError(f"SpecConfig: {name} must be an int in [{lo}, {hi}], got {v!r}")
-        for name in ("tree_temperature", "tree_cutoff"):
+        for name in ("tree_temperature", "tree_cutoff", "verify_lead"):
             t = getattr(self, name)
             if not isinstance(t, (int, float)) or isinstance(t, bool) or not (0.0 < float(t) <= 1e4):
                 raise ValueError(f"SpecConfig: {name} must be a number in (0, 1e4], got {t!r}")

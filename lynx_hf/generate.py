@@ -186,9 +186,10 @@ def _generate(run: _Run, bare: bool) -> None:
     if drafting:
         if use_tree(run):
             tree, main = draft_tree(run)
-            cache.wait_residual()
-            cache.stats["residual_at_s"] = time.perf_counter() - run.t0
+            if cache.loader is not None:
+                cache.loader.on_wait()  # a token-count schedule releases the residual now
             done = verify_tree(run, tree, main)
+            cache.stats["residual_at_s"] = cache.residual_done_at - run.t0
         else:
             drafts, probs = _draft(run)
             cache.wait_residual()

@@ -165,8 +165,8 @@ def verify_tree(run, tree: Tree, main: list) -> bool:
     cache, spec, P = run.cache, run.cache.spec_config, run.cache.prompt_len
     t = time.perf_counter()
     cache.timeline.append((t, "verify_start"))
-    cache.set_tier("full")
     cache.crop(P - cache.get_seq_length())  # the draft-phase tail was computed against the anchor tier
+    cache.set_full_tier_per_layer()  # the pass below runs each layer once its residual is in
     B, L = run.ids.shape
     nodes = best_subtree(tree, spec.verify_nodes, spec.tree_cutoff)                                 # [B, n], tree numbering
     tok, par, dep = restrict(tree, nodes)                                           # subtree numbering 0..n-1
