@@ -58,7 +58,7 @@ def main(argv=None):
     b.add_argument("--json", action="store_true")
     b.set_defaults(fn=_bench)
 
-    c = sub.add_parser("acceptance", help="accepted fraction of anchor-tier drafts per anchor design (20 prompts)")
+    c = sub.add_parser("acceptance", help="accepted anchor-tier drafts, chain versus tree (20 prompts)")
     c.add_argument("--drafts", type=int, default=31)
     c.add_argument("--model")
     c.add_argument("--json", action="store_true")

@@ -90,9 +90,13 @@ class LynxQuantConfig:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """The draft → verify loop. max_draft_tokens bounds the work that verification may throw away (0: never
-    draft, wait for the full tier); draft_while_waiting=False also disables drafting. The residual is re-checked
-    between draft steps."""
+    """The draft → verify loop. max_draft_tokens bounds the draft steps (forward passes) that verification may
+    throw away (0: never draft, wait for the full tier); draft_while_waiting=False also disables drafting. The
+    residual is re-checked between draft steps; no step starts when it is due within `verify_lead` steps.
+    Greedy drafts a tree (docs/drafting.md): each step runs at most `tree_width` frontier nodes and gives each its
+    `tree_branch` best children, scored by log-softmax(scores / tree_temperature) (calibrated to predict the full
+    tier's argmax), children more than `tree_cutoff` nats below the best are not expanded, and the verify pass runs
+    the `verify_nodes` best nodes. tree_width = tree_branch = 1 drafts a chain; sampling always drafts a chain."""
 
     max_draft_tokens: int = 64
     draft_while_waiting: bool = True

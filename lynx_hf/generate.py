@@ -3,10 +3,11 @@ speculative_generate, ...)` runs.
 
 Input: the prompt whose KV the LynxCache holds (or, as before, the prompt plus the prefill's first token). The first
 token comes from the prefill's last-position logits, through the caller's logits processors and sampling, like any
-other token. Once all anchors are in, tokens are drafted on the anchor tier (checking for the residual between
-steps, at most `spec_config.max_draft_tokens`); when the residual is in, the prompt switches to the full tier, the
-draft-phase tail is dropped (it was computed against the anchor tier), one forward pass over [last verified token,
-drafts] verifies them (`spec.verify_chain`), and decoding goes on with the full tier. The emitted tokens, scores
+other token. Once all anchors are in, drafting runs on the anchor tier until the residual is (nearly) in, at most
+`spec_config.max_draft_tokens` steps: greedy grows a token tree and verifies it in one pass (tree_draft.py);
+sampling drafts a chain, and when the residual is in, the prompt switches to the full tier, the draft-phase tail is
+dropped (it was computed against the anchor tier), and one forward pass over [last verified token, drafts] verifies
+them (`spec.verify_chain`). Decoding then goes on with the full tier. The emitted tokens, scores
 and logits are those of plain `generate` on full-tier KV (greedy and every deterministic option), or follow its
 distribution (sampling). Knows nothing about tokenization or transport."""
 from __future__ import annotations
