@@ -31,7 +31,7 @@ def run(drafts: int = 31, as_json=False, model_name=None):
             model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate,
                            max_new_tokens=drafts + 2, do_sample=False)  # first token, drafts, one more
             st = cache.stats
-            res[name].append((st["accepted"], st["drafted"], st.get("tree_nodes", st["drafted"]), st["verify_s"]))
+            res[name].append((st["accepted"], st["drafted"], st["tree_nodes"] or st["drafted"], st["verify_s"]))
     n = len(next(iter(res.values())))
     summary = {name: {"mean_accepted": sum(r[0] for r in rows) / n, "min_accepted": min(r[0] for r in rows),
                       "full_requests": sum(r[0] == r[1] for r in rows), "mean_nodes_verified": sum(r[2] for r in rows) / n,

@@ -251,8 +251,8 @@ class LynxCache(Cache):
         return cls(len(windows), prompt_len, sliding_windows=windows, **kw)
 
     def reset_stats(self) -> None:
-        self.stats = {"drafted": 0, "accepted": 0, "rounds": 0, "ttft_draft_s": None, "ttft_verified_s": None,
-                      "verify_s": 0.0, "anchors_at_s": None, "residual_at_s": None}
+        self.stats = {"drafted": 0, "accepted": 0, "rounds": 0, "tree_nodes": 0, "ttft_draft_s": None,
+                      "ttft_verified_s": None, "verify_s": 0.0, "anchors_at_s": None, "residual_at_s": None}
 
     # -- loader side (any thread) -------------------------------------------------------------------------------------
     def put_anchor(self, layer: int, kind: str, start: int, split: SplitKV) -> None:

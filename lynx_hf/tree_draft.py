@@ -176,7 +176,7 @@ def verify_tree(run, tree: Tree, main: list) -> bool:
     logits = tree_forward(run, sub, idx, idx[:, :0], n_seq, n + 1)                 # [B, n + 1, V]: root, nodes
     cache.stats["verify_s"] += time.perf_counter() - t
     cache.stats["rounds"] += 1
-    cache.stats["tree_nodes"] = cache.stats.get("tree_nodes", 0) + n
+    cache.stats["tree_nodes"] += n
     cur, path, done = torch.full((B,), ROOT, device=tok.device), [], False
     while True:
         lg = logits[torch.arange(B, device=tok.device), cur + 1]                   # [B, V]
