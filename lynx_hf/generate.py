@@ -63,12 +63,8 @@ class _Run:
     def forward(self, new_ids: torch.Tensor, n_logits: int) -> torch.Tensor:
         """Run new_ids after the cache's current content; float32 logits of the last n_logits positions."""
         kw = {}
-        if self.mask is not None:
-            total = self.cache.get_seq_length() + new_ids.shape[1]
-            extra = total - self.mask.shape[1]
-            if extra > 0:
-                self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], extra)], dim=-1)
-            am = self.mask[:, :total]
+        am = self.pad_mask(self.cache.get_seq_length() + new_ids.shape[1])
+        if am is not None:
             kw = {"attention_mask": am, "position_ids": (am.long().cumsum(-1) - 1).clamp_min(0)[:, -new_ids.shape[1]:]}
         out = self.model(input_ids=new_ids, cache=self.cache, use_cache=True, logits_to_keep=n_logits, **kw)
         return out.logits[:, -n_logits:].float()
@@ -190,7 +186,8 @@ def _generate(run: _Run, bare: bool) -> None:
             if cache.loader is not None:
                 cache.loader.on_wait()  # a token-count schedule releases the residual now
             done = verify_tree(run, tree, main)
-            cache.stats["residual_at_s"] = cache.residual_done_at - run.t0
+            if cache.residual_done_at is not None:
+                cache.stats["residual_at_s"] = cache.residual_done_at - run.t0
         else:
             drafts, probs = _draft(run)
             cache.wait_residual()
