@@ -34,11 +34,13 @@ def run(drafts: int = 31, as_json=False, model_name=None):
             res[name].append((st["accepted"], st["drafted"], st["tree_nodes"] or st["drafted"], st["verify_s"]))
     n = len(next(iter(res.values())))
     summary = {name: {"mean_accepted": sum(r[0] for r in rows) / n, "min_accepted": min(r[0] for r in rows),
-                      "full_requests": sum(r[0] == r[1] for r in rows), "mean_nodes_verified": sum(r[2] for r in rows) / n,
+                      "full_requests": sum(r[0] == r[1] for r in rows),
+                      "mean_nodes_verified": sum(r[2] for r in rows) / n,
                       "mean_verify_s": sum(r[3] for r in rows) / n, "accepted": [r[0] for r in rows]}
                for name, rows in res.items()}
     if not as_json:
-        print(f"\n| drafting, anchor | mean accepted of {drafts} | min | all {drafts} kept | nodes verified | verify s |")
+        print(f"\n| drafting, anchor | mean accepted of {drafts} | min | all {drafts} kept | nodes verified "
+              "| verify s |")
         print("|---|---|---|---|---|---|")
         for name, s in summary.items():
             print(f"| {name} | {s['mean_accepted']:.1f} | {s['min_accepted']} | {s['full_requests']}/{n} | "

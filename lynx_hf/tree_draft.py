@@ -7,13 +7,13 @@ cache's tail until verification. A draft step is one forward pass; the loop stop
 policy says the residual is due before another step would end (`DraftPolicy`), at `max_draft_tokens` steps or at
 the length limit.
 
-Verification (`verify_tree`): the prompt switches to the full tier, the anchor-phase tail is dropped, and one forward
-pass runs [verified tokens since the prompt, the `verify_nodes` best tree nodes]. The walk from the root emits, at
-each depth, the full tier's choice through the caller's logits processors (exactly what plain greedy `generate`
-would emit) and follows the child carrying it; it stops at the first depth where some live row has no such child
-(that token is the correction) or after the deepest accepted node (the bonus token). Only the accepted path's KV is
-kept: it is gathered in place (no recomputation). Sampling uses the chain (generate.py), whose rejection rule is
-lossless; greedy gets the tree."""
+Verification (`verify_tree`): the anchor-phase tail is dropped, the prompt switches to the full tier layer by layer
+(each layer at its turn in the pass, once its residual is in), and one forward pass runs [verified tokens since the
+prompt, the `verify_nodes` best tree nodes]. The walk from the root emits, at each depth, the full tier's choice
+through the caller's logits processors (exactly what plain greedy `generate` would emit) and follows the child
+carrying it; it stops at the first depth where some live row has no such child (that token is the correction) or
+after the deepest accepted node (the bonus token). Only the accepted path's KV is kept: it is gathered in place (no
+recomputation). Sampling uses the chain (generate.py), whose rejection rule is lossless; greedy gets the tree."""
 from __future__ import annotations
 
 import time
@@ -26,10 +26,14 @@ from .tree import ROOT, Tree, best_subtree, child_with_token, restrict
 TREE_ATTENTION = ("sdpa", "eager")  # implementations that take a custom 4D mask as is
 
 
+def _attn_impl(model) -> str:
+    return getattr(model.config, "_attn_implementation", None) or "eager"
+
+
 def use_tree(run) -> bool:
     spec = run.cache.spec_config
-    impl = getattr(run.model.config, "_attn_implementation", None) or "eager"
-    return not run.do_sample and (spec.tree_width > 1 or spec.tree_branch > 1) and impl in TREE_ATTENTION
+    branching = spec.tree_width > 1 or spec.tree_branch > 1
+    return not run.do_sample and branching and _attn_impl(run.model) in TREE_ATTENTION
 
 
 def _stop_tokens(run) -> torch.Tensor:
@@ -52,7 +56,7 @@ def _attention_mask(run, vis: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Te
     """vis [B, q, K] (who may see whom, over the full key length) → what the model's forward takes: one 4D mask, or
     one per layer type (models mixing full and sliding layers). Sliding layers hold keys from their offset on and see
     only the last W logical positions."""
-    impl = getattr(run.model.config, "_attn_implementation", None) or "eager"
+    impl = _attn_impl(run.model)
     masks = {}
     for layer in run.cache.layers:
         kind = "sliding_attention" if layer.is_sliding else "full_attention"
@@ -168,7 +172,7 @@ def verify_tree(run, tree: Tree, main: list) -> bool:
     cache.crop(P - cache.get_seq_length())  # the draft-phase tail was computed against the anchor tier
     cache.set_full_tier_per_layer()  # the pass below runs each layer once its residual is in
     B, L = run.ids.shape
-    nodes = best_subtree(tree, spec.verify_nodes, spec.tree_cutoff)                                 # [B, n], tree numbering
+    nodes = best_subtree(tree, spec.verify_nodes, spec.tree_cutoff)                 # [B, n], tree numbering
     tok, par, dep = restrict(tree, nodes)                                           # subtree numbering 0..n-1
     sub = Tree(tok, par, dep, tree.score.gather(1, nodes))
     n, n_seq = nodes.shape[1], L - P
@@ -199,8 +203,5 @@ def verify_tree(run, tree: Tree, main: list) -> bool:
     run.resolve(kept)
     run.flush()
     keep = run.ids.shape[1] - 1 - L  # verified tokens the cache must hold beyond the sequence part
-    if keep:
-        cache.keep_tail(L, torch.stack(path[:keep], 1))
-    else:
-        cache.keep_tail(L, cur.new_zeros(B, 0))
+    cache.keep_tail(L, torch.stack(path[:keep], 1) if keep else cur.new_zeros(B, 0))
     return done
