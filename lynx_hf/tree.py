@@ -1,5 +1,5 @@
 """Token trees for drafting, with no model and no cache: growth by cumulative draft probability, the node subset a
-verification pass runs, tree attention masks, and the greedy walk's child lookup.
+verification pass runs, the paths a tree attention mask is built from, and the greedy walk's child lookup.
 
 A tree is drafted per prompt row after the root (the last verified token, not a node). Every row's tree has the
 same shape of bookkeeping — n nodes, each with a token, a parent (node index, or ROOT), a depth ≥ 1 and a score
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 ROOT = -1  # parent of the nodes at depth 1: the root (the last verified token)
+NO_NODE = -2  # padding of Tree.path_nodes past the root
 
 
 @dataclass
@@ -71,16 +72,19 @@ class Tree:
         keep = int(ok.sum(1).max().clamp(max=min(width, m * k)))
         self.frontier = first + rank.topk(keep, dim=-1).indices  # [B, keep], best first
 
+    def path_nodes(self, nodes: torch.Tensor) -> torch.Tensor:
+        """Node ids on each node's path, the node itself first: nodes [B, m] → [B, m, max depth], padded with
+        NO_NODE past the root (what each node attends to among the tree's nodes)."""
+        out, cur = [], nodes
+        for _ in range(int(self.depth.gather(1, nodes).max()) if nodes.numel() else 0):
+            out.append(torch.where(cur == ROOT, torch.full_like(cur, NO_NODE), cur))
+            cur = torch.where(cur == ROOT, cur, self.parent.gather(1, cur.clamp_min(0)))
+        return torch.stack(out, -1) if out else nodes.new_zeros(*nodes.shape, 0)
+
     def paths(self, nodes: torch.Tensor) -> torch.Tensor:
         """Tokens from depth 1 down to each node: nodes [B, m] of one depth d → [B, m, d]."""
-        out, cur = [], nodes
-        while True:
-            out.append(self.tokens.gather(1, cur))
-            cur = self.parent.gather(1, cur)
-            if bool((cur == ROOT).all()):
-                break
-            cur = cur.clamp_min(0)
-        return torch.stack(out[::-1], -1)
+        ids = self.path_nodes(nodes).flip(-1)                                     # [B, m, d], depth 1 first
+        return self.tokens.gather(1, ids.flatten(1)).view(ids.shape)
 
 
 def best_subtree(tree: Tree, n: int, cutoff: float = float("inf")) -> torch.Tensor:
@@ -109,23 +113,6 @@ def restrict(tree: Tree, nodes: torch.Tensor):
     if bool(((par != ROOT) & (new_par == ROOT)).any()):
         raise ValueError("nodes do not form a subtree: a parent is missing")
     return tree.tokens.gather(1, nodes), new_par, tree.depth.gather(1, nodes)
-
-
-def ancestors(parent: torch.Tensor) -> torch.Tensor:
-    """parent [B, n] (ROOT or an index) → [B, n, n] bool: [b, i, j] is True when node j is node i or one of its
-    ancestors (what node i attends to among the nodes)."""
-    B, n = parent.shape
-    out = torch.eye(n, dtype=torch.bool, device=parent.device).expand(B, n, n).clone()
-    rows = torch.arange(n, device=parent.device).expand(B, n)
-    cur = parent
-    for _ in range(n):
-        live = cur != ROOT
-        if not bool(live.any()):
-            break
-        b, i = live.nonzero(as_tuple=True)
-        out[b, rows[b, i], cur[b, i]] = True
-        cur = torch.where(live, parent.gather(1, cur.clamp_min(0)), cur)
-    return out
 
 
 def child_with_token(parent: torch.Tensor, tokens: torch.Tensor, node: torch.Tensor, token: torch.Tensor):

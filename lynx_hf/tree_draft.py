@@ -43,15 +43,6 @@ def _stop_tokens(run) -> torch.Tensor:
     return torch.cat(ids).to(run.ids.device) if ids else run.ids.new_zeros(0)
 
 
-def _path_ids(tree: Tree, nodes: torch.Tensor) -> torch.Tensor:
-    """Node ids on each node's path, self first: [B, n] → [B, n, max depth], padded with -2."""
-    out, cur = [], nodes
-    for _ in range(int(tree.depth.gather(1, nodes).max()) if nodes.numel() else 0):
-        out.append(torch.where(cur == ROOT, torch.full_like(cur, -2), cur))
-        cur = torch.where(cur == ROOT, cur, tree.parent.gather(1, cur.clamp_min(0)))
-    return torch.stack(out, -1) if out else nodes.new_zeros(*nodes.shape, 0)
-
-
 def _attention_mask(run, vis: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor):
     """vis [B, q, K] (who may see whom, over the full key length) → what the model's forward takes: one 4D mask, or
     one per layer type (models mixing full and sliding layers). Sliding layers hold keys from their offset on and see
@@ -87,7 +78,7 @@ def tree_forward(run, tree: Tree, nodes: torch.Tensor, slots: torch.Tensor, n_se
     q_idx = torch.cat([torch.arange(C0, L, device=dev).expand(B, n_seq), L - 1 + dq], 1)  # logical positions [B, q]
     k_idx = torch.cat([torch.arange(C0, device=dev).expand(B, C0), L - 1 + ds, q_idx], 1)  # [B, K]
     q, K = n_seq + n, C0 + Ns + n_seq + n
-    anc = _path_ids(tree, nodes)                                                 # [B, n, d]
+    anc = tree.path_nodes(nodes)                                                 # [B, n, d]
     sees = (torch.cat([slots, nodes], 1)[:, None, :, None] == anc[:, :, None, :]).any(-1)  # [B, n, Ns + n]
     vis = torch.zeros(B, q, K, dtype=torch.bool, device=dev)
     vis[:, :, :C0] = True

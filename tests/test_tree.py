@@ -3,7 +3,7 @@ re-indexing, the ancestor mask and the child lookup. Exact (integer bookkeeping;
 import pytest
 import torch
 
-from lynx_hf.tree import ROOT, Tree, ancestors, best_subtree, child_with_token, restrict
+from lynx_hf.tree import NO_NODE, ROOT, Tree, best_subtree, child_with_token, restrict
 
 B, V = 3, 11
 
@@ -90,17 +90,19 @@ def test_best_subtree_is_ancestor_closed_sorted_and_holds_the_best_path():
                 assert set(path_of(tree, b, best)) <= s
 
 
-def test_restrict_and_ancestors_match_brute_force():
+def test_restrict_and_path_nodes_match_brute_force():
     tree = grow(5, 3, 3)
     nodes = best_subtree(tree, 12)
     tok, par, dep = restrict(tree, nodes)
-    anc = ancestors(par)
+    sub = Tree(tok, par, dep, tree.score.gather(1, nodes))
+    anc = sub.path_nodes(torch.arange(nodes.shape[1]).expand_as(nodes))
     for b in range(B):
         for j in range(nodes.shape[1]):
             i = int(nodes[b, j])
             assert tok[b, j] == tree.tokens[b, i] and dep[b, j] == tree.depth[b, i]
-            want = {nodes[b].tolist().index(a) for a in path_of(tree, b, i)}
-            assert set(anc[b, j].nonzero().flatten().tolist()) == want
+            want = [nodes[b].tolist().index(a) for a in path_of(tree, b, i)][::-1]  # the node itself first
+            got = anc[b, j].tolist()
+            assert got[:len(want)] == want and set(got[len(want):]) <= {NO_NODE}
 
 
 def test_restrict_refuses_a_set_that_is_not_a_subtree():
