@@ -92,6 +92,8 @@ def best_subtree(tree: Tree, n: int, cutoff: float = float("inf")) -> torch.Tens
     so that every node's parent comes before it: at most n, none scoring more than `cutoff` below the row's best
     deepest node (whose whole path is in, budget permitting), as many per row as the row that keeps most. Always a
     subtree (ancestor-closed)."""
+    if tree.size == 0:  # no draft step ran (the residual landed first): verify the root alone
+        return tree.tokens.new_zeros(tree.tokens.shape[0], 0)
     deepest = tree.depth == tree.depth.max(1, keepdim=True).values
     ref = tree.score.masked_fill(~deepest, float("-inf")).max(1, keepdim=True).values   # [B, 1]
     n = int((tree.score >= ref - cutoff).sum(1).max().clamp(1, min(n, tree.size)))
@@ -117,6 +119,8 @@ def restrict(tree: Tree, nodes: torch.Tensor):
 
 def child_with_token(parent: torch.Tensor, tokens: torch.Tensor, node: torch.Tensor, token: torch.Tensor):
     """For each row, the child of `node` [B] (ROOT for the root) that carries `token` [B]: index [B], −1 if none."""
+    if parent.shape[1] == 0:
+        return torch.full_like(node, -1)
     hit = (parent == node[:, None]) & (tokens == token[:, None])                 # [B, n]
     idx = hit.long().argmax(1)
     return torch.where(hit.any(1), idx, torch.full_like(idx, -1))

@@ -173,3 +173,13 @@ def test_residual_before_any_draft_and_mid_draft_give_the_same_tokens(spec):
     anchor = [[2, 3, 9, 5, (6, 9), 7, 8, 9, 10, 11, 12, 13]]
     for after in (0, 1, 3, 7):
         assert generate([FULL], anchor, after=after, max_new=10, spec=spec)[0] == [FULL[:10]]
+
+
+def test_residual_landing_before_the_first_tree_step(monkeypatch):
+    """The residual can complete between the check that starts drafting and the first step: an empty tree is
+    verified (the root alone) and decoding goes on, exact."""
+    from lynx_hf.policy import DraftPolicy
+
+    monkeypatch.setattr(DraftPolicy, "another_step", lambda self: False)
+    got, st, _ = generate([FULL], [[9] * 12], after=4, max_new=6)
+    assert got == [FULL[:6]] and (st["drafted"], st["accepted"], st["rounds"]) == (0, 0, 1)

@@ -126,3 +126,11 @@ def test_paths():
     for b in range(B):
         for j, i in enumerate(tree.frontier[b].tolist()):
             assert paths[b, j].tolist() == [int(tree.tokens[b, a]) for a in path_of(tree, b, i)]
+
+
+def test_an_empty_tree_verifies_the_root_alone():
+    tree = Tree.empty(B, "cpu")  # the residual landed before the first draft step
+    nodes = best_subtree(tree, 8)
+    assert nodes.shape == (B, 0)
+    tok, par, dep = restrict(tree, nodes)
+    assert tok.shape == par.shape == dep.shape == (B, 0)
