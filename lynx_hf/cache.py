@@ -392,14 +392,23 @@ class LynxCache(Cache):
     def _start_plain_generate(self) -> None:
         """A forward pass without speculative_generate: the full tier, once it has landed; the first forward re-runs
         the prompt's last position (get_seq_length said P - 1), whose streamed KV each layer keeps."""
+        warnings.warn(PLAIN_GENERATE_HINT, stacklevel=3)
+        self.pin_tier("full")
+
+    def pin_tier(self, tier: str = "full") -> "LynxCache":
+        """Serve plain decoding (`generate` without custom_generate, or forward passes) from one tier, never
+        drafting: wait for it, materialise it; the first forward re-runs the prompt's last position. "anchor"
+        decodes on the 4-bit anchor alone, unverified (the anchor-only ablation of the evaluation)."""
+        if tier not in ("anchor", "full"):
+            raise ValueError(f"tier must be 'anchor' or 'full', got {tier!r}")
         if self.used:
             raise ValueError("this LynxCache was already used for a generation; build a new one per request")
-        warnings.warn(PLAIN_GENERATE_HINT, stacklevel=3)
         self.used = True
-        self.wait_residual()
-        self.set_tier("full")
+        self.wait_residual() if tier == "full" else self.wait_anchors()
+        self.set_tier(tier)
         for l in self.layers:
             l.rerun = 1
+        return self
 
     @property
     def is_compileable(self) -> bool:

@@ -38,9 +38,35 @@ def _acceptance(a):
     acceptance.run(a.drafts, a.json, a.model)
 
 
+def _results(a):
+    from lynx_hf.eval import results
+
+    results.run(a.questions, tuple(a.contexts), a.model, a.out, a.residual_after, lynx_config=a.lynx_config,
+                as_json=a.json)
+
+
+def _calibrate(a):
+    from lynx_hf.eval import calibrate
+
+    calibrate.run(a.model, a.text, a.budget, a.out, tuple(a.contexts), a.gen, a.json)
+
+
+def _card(a):
+    from lynx_hf.eval import card
+
+    card.run(a.model, a.out, a.results or None, a.lynx_config, a.residual_after, a.push)
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["eval"]:  # every lm-eval flag passes through unchanged
+        from lynx_hf.eval import lm_eval_model
+
+        return lm_eval_model.cli(argv[1:])
     p = argparse.ArgumentParser(prog="lynx-hf", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("eval", help="lm-eval's CLI with the `lynx` model and this project's MMLU-Pro tasks "
+                                "(lynx-hf eval --model lynx --model_args kv=lynx --tasks mmlu_pro_local ...)")
 
     q = sub.add_parser("codec-quality", help="KV codec quality on real KV of the default model")
     q.add_argument("--text", help="text file for the contexts (default: shared tinyshakespeare)")
@@ -73,6 +99,35 @@ def main(argv=None):
     d.add_argument("--model", help="Hub id or local path (default: embedded SmolLM2-135M-Instruct)")
     d.add_argument("--json", action="store_true", help="print only the final JSON line")
     d.set_defaults(fn=_demo)
+
+    r = sub.add_parser("results", help="the accuracy table by KV mode (docs/results.md, docs/results.json)")
+    r.add_argument("--questions", type=int, default=500)
+    r.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048], help="context lengths in tokens")
+    r.add_argument("--model", help="Hub id or local path (default: embedded SmolLM2-135M-Instruct)")
+    r.add_argument("--lynx-config", help="folder, file or Hub repo with a lynx_config.json")
+    r.add_argument("--residual-after", type=int, default=2, help="Lynx: residual lands after this many draft steps")
+    r.add_argument("--out", default="docs/results.md")
+    r.add_argument("--json", action="store_true", help="print only the final JSON line")
+    r.set_defaults(fn=_results)
+
+    k = sub.add_parser("calibrate", help="search the codec's settings for a model; writes lynx_config.json")
+    k.add_argument("--model", help="Hub id or local path (default: embedded SmolLM2-135M-Instruct)")
+    k.add_argument("--text", help="calibration text file (default: shared tinyshakespeare)")
+    k.add_argument("--budget", type=int, default=24, help="settings to score at most")
+    k.add_argument("--contexts", type=int, nargs="+", default=[512, 1024], help="calibration prompt lengths")
+    k.add_argument("--gen", type=int, default=32, help="teacher-forced tokens per prompt")
+    k.add_argument("--out", default="lynx_config", help="folder for lynx_config.json")
+    k.add_argument("--json", action="store_true", help="print only the final JSON line")
+    k.set_defaults(fn=_calibrate)
+
+    h = sub.add_parser("card", help="a Hub-ready folder: model card, lynx_config.json, custom_generate/")
+    h.add_argument("--model", help="base model's Hub id (default: the embedded SmolLM2-135M-Instruct's)")
+    h.add_argument("--out", required=True, help="folder to write")
+    h.add_argument("--results", default="docs/results.md", help="results of `lynx-hf results` ('' for none)")
+    h.add_argument("--lynx-config", help="folder, file or Hub repo with a lynx_config.json (default: the defaults)")
+    h.add_argument("--residual-after", type=int, default=8, help="custom_generate's local residual schedule")
+    h.add_argument("--push", metavar="REPO", help="upload the folder to this Hub repo")
+    h.set_defaults(fn=_card)
 
     from lynx_hf.transfer import commands  # serve-prefill, serve-decode
 

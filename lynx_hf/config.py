@@ -11,6 +11,7 @@ from dataclasses import dataclass
 METHODS = ("lynx", "paper", "bf16", "int8", "kivi4", "kivi2", "identity")
 ANCHORS = ("centroid", "center", "paper")
 AXES = ("auto", "channel", "token")
+CONFIG_NAME = "lynx_config.json"
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,48 @@ class LynxQuantConfig:
         if unknown:
             raise ValueError(f"LynxQuantConfig: unknown fields {sorted(unknown)}")
         return cls(**d)
+
+    def save_pretrained(self, save_directory, calibration: dict | None = None) -> str:
+        """Write `lynx_config.json` (the fields, plus what a calibration measured) into a folder; returns its path."""
+        import json
+        import os
+
+        from . import __version__
+
+        os.makedirs(save_directory, exist_ok=True)
+        path = os.path.join(save_directory, CONFIG_NAME)
+        body = {**self.to_dict(), "lynx_hf_version": __version__}
+        if calibration is not None:
+            body["calibration"] = calibration
+        with open(path, "w") as f:
+            json.dump(body, f, indent=2)
+            f.write("\n")
+        return path
+
+    @classmethod
+    def from_pretrained(cls, name_or_path, **hub_kwargs) -> "LynxQuantConfig":
+        """Read `lynx_config.json` from a folder, a path to the file itself, or a Hub repo (huggingface_hub)."""
+        import json
+        import os
+
+        path = os.fspath(name_or_path)
+        if os.path.isdir(path):
+            path = os.path.join(path, CONFIG_NAME)
+        if not os.path.isfile(path):
+            if os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") != 1:
+                raise FileNotFoundError(f"no {CONFIG_NAME} at {name_or_path} (a Hub repo id looks like 'org/name')")
+            from huggingface_hub import hf_hub_download
+
+            path = hf_hub_download(name_or_path, CONFIG_NAME, **hub_kwargs)
+        try:
+            with open(path) as f:
+                body = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(body, dict):
+            raise ValueError(f"{path}: expected a JSON object")
+        body = {k: v for k, v in body.items() if k not in ("lynx_hf_version", "calibration")}
+        return cls.from_dict(body)
 
     @classmethod
     def paper(cls, **kw) -> "LynxQuantConfig":

@@ -69,7 +69,7 @@ def _serve_decode(a):
     _secret_or_exit(a, host)
     model, tok = lynx_hf.load_default_model(a.model)
     cli = DecodeClient(model, host, port, secret=a.secret, insecure=a.insecure, tls=a.tls, tls_ca=a.tls_ca)
-    cfg = LynxQuantConfig(method=a.method)
+    cfg = LynxQuantConfig.from_pretrained(a.lynx_config) if a.lynx_config else LynxQuantConfig(method=a.method)
     prompts = [a.prompt] if a.prompt else ([open(a.prompt_file).read()] if a.prompt_file else (l.rstrip("\n") for l in sys.stdin))
     for text in prompts:
         if not text:
@@ -100,7 +100,10 @@ def register(sub) -> None:
     q.add_argument("--prefill", required=True, help="HOST:PORT of serve-prefill")
     q.add_argument("--prompt")
     q.add_argument("--prompt-file")
-    q.add_argument("--method", default="lynx", choices=list(METHODS))
+    codec = q.add_mutually_exclusive_group()
+    codec.add_argument("--method", default="lynx", choices=list(METHODS))
+    codec.add_argument("--lynx-config", help="the codec from a lynx_config.json (folder, file or Hub repo), e.g. "
+                                             "written by `lynx-hf calibrate`")
     q.add_argument("--max-new-tokens", type=int, default=32)
     q.add_argument("--no-drafts", action="store_true", help="wait for the full tier (reference decoding)")
     q.add_argument("--secret", help=SECRET_HELP)

@@ -1,0 +1,103 @@
+"""`lynx-hf card`: a Hub-ready folder for a model served with Lynx.
+
+    DIR/README.md                          model card (huggingface_hub ModelCard / ModelCardData; the measured
+                                           results of docs/results.json as EvalResults, so the Hub shows them)
+    DIR/lynx_config.json                   the codec (LynxQuantConfig.save_pretrained; calibrated or default)
+    DIR/custom_generate/generate.py        Transformers' Hub layout: model.generate(..., custom_generate=DIR_OR_REPO,
+    DIR/custom_generate/requirements.txt   trust_remote_code=True) runs Lynx (lynx_hf/hub.py)
+
+`--push REPO` uploads the folder with huggingface_hub (needs a token and the network)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lynx_hf import LynxQuantConfig
+from lynx_hf.hub import write_custom_generate
+
+DEFAULT_BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
+LABELS = {"bf16": "BF16", "int8": "INT8", "int4": "INT4 (KIVI-4)", "kivi2": "KIVI-2", "anchor": "Lynx anchor only",
+          "lynx": "Lynx"}
+
+
+def _results_json(results: str | None) -> dict | None:
+    if not results:
+        return None
+    p = Path(results)
+    p = p.with_suffix(".json") if p.suffix == ".md" else p
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no results (write them with `lynx-hf results`)")
+    return json.loads(p.read_text())
+
+
+def eval_results(report: dict | None) -> list:
+    from huggingface_hub import EvalResult
+
+    out = []
+    for n_ctx, c in (report or {}).get("contexts", {}).items():
+        for mode, r in c["rows"].items():
+            out.append(EvalResult(task_type="multiple-choice", task_name="MMLU-Pro, many-shot long context",
+                                  dataset_type="TIGER-Lab/MMLU-Pro", dataset_name="MMLU-Pro",
+                                  dataset_config=f"many-shot {n_ctx} tokens", dataset_split="test",
+                                  metric_type="accuracy", metric_name=f"accuracy, KV {LABELS.get(mode, mode)}",
+                                  metric_value=round(r["accuracy"], 4)))
+    return out
+
+
+def _body(base: str, cfg: LynxQuantConfig, report: dict | None, results_md: str | None) -> str:
+    lines = [f"# {base} with Lynx KV transfer", "",
+             "Lynx quantizes the KV cache a prefill node ships to a decode node into an 8-bit code split into a 4-bit "
+             "anchor (sent first) and a 4-bit residual. The decode node drafts on the anchor while the residual "
+             "streams in; one verification pass on the full KV keeps the output exactly that of full-tier decoding.",
+             "", "## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+             f'model = AutoModelForCausalLM.from_pretrained("{base}")',
+             f'tok = AutoTokenizer.from_pretrained("{base}")',
+             'ids = tok("The capital of France is", return_tensors="pt").input_ids',
+             'out = model.generate(ids, custom_generate="THIS_REPO", trust_remote_code=True, max_new_tokens=32)',
+             "```", "", "Needs `pip install lynx-hf` (custom_generate/requirements.txt). The codec settings are in "
+             "`lynx_config.json` (`lynx_hf.LynxQuantConfig.from_pretrained(THIS_REPO)`):", "", "```json",
+             json.dumps(cfg.to_dict(), indent=1), "```", ""]
+    if report:
+        lines += ["## Results", "", "Accuracy by KV mode on MMLU-Pro many-shot prompts (`lynx-hf results`"
+                  + (f", full table in {Path(results_md).name}" if results_md else "") + "):", "",
+                  "| context | " + " | ".join(LABELS[m] for m in LABELS) + " | Lynx = full tier |",
+                  "|---|" + "---:|" * (len(LABELS) + 1)]
+        for n_ctx, c in report["contexts"].items():
+            lines.append(f"| {n_ctx} | " + " | ".join(f"{100 * c['rows'][m]['accuracy']:.1f} %" for m in LABELS)
+                         + f" | {c['lynx_equals_full']}/{c['n']} |")
+        lines += ["", f"Model evaluated: {report['model']}."]
+    return "\n".join(lines) + "\n"
+
+
+def run(model_name: str | None = None, out: str = "card", results: str | None = None,
+        lynx_config: str | None = None, residual_after: int = 8, push: str | None = None) -> str:
+    from huggingface_hub import ModelCard, ModelCardData
+
+    base = model_name or DEFAULT_BASE
+    cfg = LynxQuantConfig.from_pretrained(lynx_config) if lynx_config else LynxQuantConfig()
+    report = _results_json(results)
+    data = ModelCardData(base_model=base, library_name="transformers", license="apache-2.0",
+                         tags=["custom_generate", "lynx", "kv-cache-quantization", "speculative-decoding",
+                               "disaggregated-serving"],
+                         model_name=f"{base.split('/')[-1]}-lynx", eval_results=eval_results(report) or None)
+    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n{_body(base, cfg, report, results)}")
+    Path(out).mkdir(parents=True, exist_ok=True)
+    card.save(str(Path(out) / "README.md"))
+    local = _cfg_file(lynx_config) if lynx_config else None  # a calibration's measurements travel with it
+    calibration = json.loads(local.read_text()).get("calibration") if local else None
+    cfg.save_pretrained(out, calibration)
+    write_custom_generate(out, cfg, residual_after)
+    if push:
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+        api.create_repo(push, exist_ok=True)
+        api.upload_folder(repo_id=push, folder_path=out, commit_message="Lynx model card and custom_generate")
+    print(f"wrote {out}/README.md, lynx_config.json, custom_generate/" + (f"; pushed to {push}" if push else ""))
+    return out
+
+
+def _cfg_file(name: str) -> Path | None:
+    p = Path(name)
+    p = p / "lynx_config.json" if p.is_dir() else p
+    return p if p.is_file() else None

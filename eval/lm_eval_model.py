@@ -1,0 +1,144 @@
+"""The lm-eval model `lynx`: Hugging Face's `HFLM` with every request's context KV passed through a KV mode.
+
+    lynx-hf eval --model lynx --model_args kv=lynx,residual_after=8 --tasks mmlu_pro_local --limit 50
+
+Model args (besides HFLM's own: batch_size, max_length, ...):
+    pretrained       Hub id or local folder (default: the embedded SmolLM2-135M-Instruct); gguf_file for GGUF
+    kv               bf16 | int8 | int4 | kivi2 | anchor | lynx | identity (eval/kv_modes.py), default lynx
+    lynx_config      folder, file or Hub repo with a lynx_config.json (LynxQuantConfig.from_pretrained)
+    residual_after   "lynx": the residual lands after this many draft steps (default 8), or
+    bandwidth_mbps   "lynx": anchor then residual stream over a simulated link of this speed
+
+`generate_until` prefills each batch (left padded), moves its KV into a fresh LynxCache in the mode, and decodes:
+"lynx" through `speculative_generate` (drafts on the anchor, verified: the output is the full tier's), every other
+mode with plain `generate` on its tier. `_loglikelihood_tokens` (loglikelihood, loglikelihood_rolling) prefills each
+distinct context once and scores its continuations against the context's KV in the mode
+(`kv_modes.continuation_logprobs`); lm-eval's own path would score context and continuation in one cache-less pass,
+where KV quantization has no effect. Rolling windows: only each window's context goes through the codec; its own
+tokens are the decode side's. Importing this module registers the model."""
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+import torch
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+from tqdm import tqdm
+from transformers import StopStringCriteria, StoppingCriteriaList
+
+import lynx_hf
+from lynx_hf import LynxQuantConfig
+from lynx_hf.loader import prefill
+
+from .kv_modes import MODES, continuation_logprobs, mode_config, transferred_cache
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@register_model("lynx")
+class LynxLM(HFLM):
+    def __init__(self, pretrained: str | None = None, kv: str = "lynx", lynx_config: str | None = None,
+                 residual_after: int = 8, bandwidth_mbps: float | None = None, gguf_file: str | None = None,
+                 dtype: str = "float32", device: str | None = None, **kwargs):
+        if kv not in MODES:
+            raise ValueError(f"lynx: kv must be one of {MODES}, got {kv!r}")
+        if dtype not in _DTYPES:
+            raise ValueError(f"lynx: dtype must be one of {tuple(_DTYPES)}, got {dtype!r}")
+        self.kv = kv
+        self.lynx_config = LynxQuantConfig.from_pretrained(lynx_config) if lynx_config else None
+        mode_config(kv, self.lynx_config)  # validates the pair
+        self.residual_after = int(residual_after)
+        self.bandwidth_bps = float(bandwidth_mbps) * 1e6 if bandwidth_mbps else None
+        if device is None or (str(device).startswith("cuda") and not torch.cuda.is_available()):
+            device = "cuda" if torch.cuda.is_available() else "cpu"  # lm-eval's CLI says cuda:0 unless told
+        model, tok = lynx_hf.load_default_model(pretrained, dtype=_DTYPES[dtype], gguf_file=gguf_file, device=device)
+        super().__init__(pretrained=model, tokenizer=tok, **kwargs)
+        self._stops: dict = {}
+
+    # -- generate_until ---------------------------------------------------------------------------------------------
+    def _stop_criteria(self, stop: list[str]) -> StoppingCriteriaList:
+        """Per-row, stateless stop strings (lm-eval's own criterion keeps per-row state, which drafts would taint)."""
+        key = tuple(stop)
+        if key not in self._stops:
+            self._stops[key] = StoppingCriteriaList([StopStringCriteria(self.tokenizer, list(stop))] if stop else [])
+        return self._stops[key]
+
+    def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
+        kw = dict(generation_kwargs)
+        mask = kw.pop("attention_mask", None)
+        kw["temperature"] = kw.get("temperature", 0.0)   # lm-eval's convention: 0.0 means greedy
+        if kw["temperature"] == 0.0 and kw.get("do_sample") is None:
+            kw["do_sample"] = False
+        if kw.get("do_sample") is False and kw["temperature"] == 0.0:
+            kw.pop("temperature")
+        kv, logits = prefill(self.model, context, mask)
+        cache = transferred_cache(self.model, kv, logits, context.shape[1], self.kv, self.lynx_config,
+                                  residual_after=self.residual_after, bandwidth_bps=self.bandwidth_bps)
+        if self.kv == "lynx":
+            kw["custom_generate"] = lynx_hf.speculative_generate
+        return self.model.generate(input_ids=context, attention_mask=mask, cache=cache, max_length=max_length,
+                                   stopping_criteria=self._stop_criteria(stop),
+                                   pad_token_id=self.tokenizer.pad_token_id, **kw)
+
+    # -- loglikelihood ------------------------------------------------------------------------------------------------
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
+        """requests: [((context, continuation) strings or None, context ids, continuation ids)] → [(logprob, greedy)].
+        One prefill per distinct context; its continuations are scored together against its KV in the mode."""
+        by_context = defaultdict(list)
+        for i, (_, ctx, cont) in enumerate(requests):
+            if not cont:
+                raise ValueError("lynx: an empty continuation cannot be scored")
+            ctx = list(ctx)[-(self.max_length - len(cont)):] if len(ctx) + len(cont) > self.max_length else list(ctx)
+            by_context[tuple(ctx)].append(i)
+        res: list = [None] * len(requests)
+        pbar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc=f"loglikelihood (kv={self.kv})")
+        for ctx, idx in by_context.items():
+            conts = [list(requests[i][2]) for i in idx]
+            prefilled = prefill(self.model, torch.tensor([ctx], device=self.device))
+            for start in range(0, len(idx), 8):  # at most 8 continuations of one context per forward pass
+                part = conts[start: start + 8]
+                logps = continuation_logprobs(self.model, list(ctx), part, self.kv, self.lynx_config, prefilled)
+                for i, cont, logp in zip(idx[start: start + 8], part, logps):
+                    c = torch.tensor(cont, device=logp.device)
+                    answer = (float(logp.gather(1, c[:, None]).sum()), bool((logp.argmax(-1) == c).all()))
+                    res[i] = answer
+                    if requests[i][0] is not None:
+                        self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
+                    pbar.update(1)
+        pbar.close()
+        return res
+
+
+TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks")
+
+
+def task_manager(include_path=None, **kwargs):
+    """An lm-eval TaskManager that also indexes this project's tasks (mmlu_pro_local, mmlu_pro_longctx_*)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=_with_ours(include_path), **kwargs)
+
+
+def _with_ours(include_path):
+    paths = list(include_path) if isinstance(include_path, (list, tuple)) else [include_path] if include_path else []
+    return [*paths, TASKS_DIR]
+
+
+def cli(argv: list[str]) -> None:
+    """`lynx-hf eval ARGS`: lm-eval's own CLI (every flag unchanged) with the `lynx` model registered and this
+    project's task folder indexed next to lm-eval's own tasks and any --include_path."""
+    import sys
+
+    from lm_eval import __main__ as lm_main
+    from lm_eval.tasks import TaskManager
+
+    init = TaskManager.__init__
+    if not getattr(init, "_lynx", False):
+        def __init__(self, *args, include_path=None, **kwargs):
+            init(self, *args, include_path=_with_ours(include_path), **kwargs)
+
+        __init__._lynx = True
+        TaskManager.__init__ = __init__
+    sys.argv = ["lynx-hf eval", *argv]
+    lm_main.cli_evaluate()
