@@ -87,8 +87,9 @@ class LynxLM(HFLM):
         One prefill per distinct context; its continuations are scored together against its KV in the mode."""
         by_context = defaultdict(list)
         for i, (_, ctx, cont) in enumerate(requests):
-            if not cont:
-                raise ValueError("lynx: an empty continuation cannot be scored")
+            if not cont or len(cont) >= self.max_length:
+                raise ValueError(f"lynx: a continuation of {len(cont)} tokens cannot be scored within max_length "
+                                 f"{self.max_length}")
             ctx = list(ctx)[-(self.max_length - len(cont)):] if len(ctx) + len(cont) > self.max_length else list(ctx)
             by_context[tuple(ctx)].append(i)
         res: list = [None] * len(requests)

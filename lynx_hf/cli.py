@@ -57,6 +57,12 @@ def _card(a):
     card.run(a.model, a.out, a.results or None, a.lynx_config, a.residual_after, a.push)
 
 
+def _simulate(a):
+    from lynx_hf.eval import simulate
+
+    simulate.run(a.acceptance, a.json)
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["eval"]:  # every lm-eval flag passes through unchanged
@@ -128,6 +134,12 @@ def main(argv=None):
     h.add_argument("--residual-after", type=int, default=8, help="custom_generate's local residual schedule")
     h.add_argument("--push", metavar="REPO", help="upload the folder to this Hub repo")
     h.set_defaults(fn=_card)
+
+    s = sub.add_parser("simulate", help="analytic TTFT / TT32T model fitted to the paper, then extrapolated")
+    s.add_argument("--acceptance", type=float, default=24.3 / 31,
+                   help="fraction of draft steps kept (default: the tree's, lynx-hf acceptance)")
+    s.add_argument("--json", action="store_true", help="print only the final JSON line")
+    s.set_defaults(fn=_simulate)
 
     from lynx_hf.transfer import commands  # serve-prefill, serve-decode
 

@@ -131,6 +131,19 @@ def test_lm_eval_model_scores_through_the_codec(lynx_lm, model_and_tok):
         type(lynx_lm)(kv="fp4")
 
 
+def test_lm_eval_rolling_loglikelihood_close_to_exact(lynx_lm, model_and_tok):
+    """loglikelihood_rolling goes through the override too; at the full tier it stays within 1 % of exact KV."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    model, tok = model_and_tok
+    text = (FIXTURES / "shakespeare.txt").read_text()[:2000]
+    got = lynx_lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)], disable_tqdm=True)[0]
+    exact = HFLM(pretrained=model, tokenizer=tok, device="cpu").loglikelihood_rolling(
+        [Instance("loglikelihood_rolling", {}, (text,), 0)], disable_tqdm=True)[0]
+    assert got == pytest.approx(exact, rel=1e-2) and got < 0
+
+
 def test_lm_eval_generate_until_equals_full_tier(lynx_lm, model_and_tok):
     """A left-padded batch through LynxCache + speculative_generate: each row is full-tier greedy decoding."""
     from lm_eval.api.instance import Instance
