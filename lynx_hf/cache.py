@@ -378,9 +378,12 @@ class LynxCache(Cache):
             self.loader.on_draft(n)
 
     def close(self) -> None:
-        """Release the loader (stops a simulated link); the cache's contents stay readable."""
-        if self.loader is not None:
-            self.loader.close()
+        """Release the loader (stops a simulated link; a network receiver reads on to its request's end) and drop
+        the reference to it, so that no cache ↔ loader cycle outlives the request (caches are then freed by
+        reference counting, not by the cyclic collector, which lets garbage KV pile up). The contents stay readable."""
+        loader, self.loader = self.loader, None
+        if loader is not None:
+            loader.close()
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if self.layers[layer_idx].pending_full:
@@ -408,6 +411,7 @@ class LynxCache(Cache):
         self.set_tier(tier)
         for l in self.layers:
             l.rerun = 1
+        self.close()  # everything this tier needs has landed (a pinned anchor never takes the residual)
         return self
 
     @property
