@@ -1,8 +1,13 @@
-"""`lynx-hf bench codec`: CPU encode/decode throughput of each implementation next to `copy_` bandwidth, measured
-in one run on the same tensor (the KV of one layer of a long prompt, fp32). Prints a table and one JSON line."""
+"""`lynx-hf bench codec`: encode / decode throughput of each implementation next to `copy_` bandwidth, measured in
+one run on the same tensors: KV-shaped fp32 tensors [1, 2 × layers × heads, S, 64] from ~1 MB to `max_mb`, medians
+over `reps` repeats. CPU paths: "eager" (torch ops), "compiled" (torch.compile of the same code); CUDA: "triton"
+(the kernels) and "eager". GB/s counts the fp32 input bytes once. Prints a table and one JSON line whose `copy_gbps`
+and `paths` are those of the headline size (the whole KV of a 4K-token prompt of the default model, 189 MB); `sizes`
+has every size."""
 from __future__ import annotations
 
 import json
+import statistics
 import time
 
 import torch
@@ -10,46 +15,81 @@ import torch
 from lynx_hf import LynxQuantConfig, quant
 from lynx_hf.quant import dispatch, lynx
 
+HEADLINE_TOKENS = 4096
 
-def _best(fn, reps: int) -> float:
+
+def _median(fn, reps: int, sync) -> float:
     fn()
-    best = float("inf")
+    sync()
+    times = []
     for _ in range(reps):
         t = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+        sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
-def run(tokens: int = 4096, heads: int = 3, head_dim: int = 64, layers: int = 30, reps: int = 3, as_json=False):
+def _paths(device: str):
+    """name → (encode(x) -> SplitKV, decode(split, tier) -> Tensor)."""
+    cfg = LynxQuantConfig()
+    if device == "cuda":
+        return {"triton": (lambda x: quant.encode(x, cfg), lambda s, t: quant.decode(s, t)),
+                "eager": (lambda x: lynx.encode(x, cfg, "key"), lambda s, t: lynx.decode(s, t))}
+
+    def with_compile(on):
+        def enc(x):
+            dispatch.enable_compile(on)
+            try:
+                return quant.encode(x, cfg)
+            finally:
+                dispatch.enable_compile(None)
+
+        def dec(s, t):
+            dispatch.enable_compile(on)
+            try:
+                return quant.decode(s, t)
+            finally:
+                dispatch.enable_compile(None)
+        return enc, dec
+
+    return {"eager": with_compile(False), "compiled": with_compile(True)}
+
+
+def measure(tokens: int, device: str = "cpu", heads: int = 3, layers: int = 30, reps: int = 5) -> dict:
     torch.manual_seed(0)
-    # the whole KV of a `tokens`-token prompt of the default model (K and V of 30 layers, 3 KV heads, D = 64):
-    # 189 MB in fp32 at 4096 tokens — larger than any cache, so copy_ measures memory bandwidth
-    x = torch.randn(1, 2 * heads * layers, tokens, head_dim)
+    x = torch.randn(1, 2 * heads * layers, tokens, 64, device=device)
     x[:, :, 0] *= 30  # an attention-sink-like outlier token
     nbytes = x.numel() * x.element_size()
-    cfg = LynxQuantConfig()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     dst = torch.empty_like(x)
-    copy_s = _best(lambda: dst.copy_(x), reps)
-    paths = {}
-    split = quant.encode(x, cfg, reference=True)
-    for name in ("eager", "compiled"):
-        dispatch.enable_compile(name == "compiled")
-        try:
-            enc = _best(lambda: quant.encode(x, cfg), reps)
-            dec_a = _best(lambda: quant.decode(split, "anchor"), reps)
-            dec_f = _best(lambda: quant.decode(split, "full"), reps)
-        finally:
-            dispatch.enable_compile(None)
-        paths[name] = {"encode_gbps": nbytes / enc / 1e9, "decode_anchor_gbps": nbytes / dec_a / 1e9,
-                       "decode_full_gbps": nbytes / dec_f / 1e9}
-    copy_gbps = nbytes / copy_s / 1e9
+    row = {"tokens": tokens, "mb": nbytes / 1e6, "copy_gbps": nbytes / _median(lambda: dst.copy_(x), reps, sync) / 1e9,
+           "paths": {}}
+    for name, (enc, dec) in _paths(device).items():
+        split = enc(x)
+        row["paths"][name] = {
+            "encode_gbps": nbytes / _median(lambda: enc(x), reps, sync) / 1e9,
+            "decode_anchor_gbps": nbytes / _median(lambda: dec(split, "anchor"), reps, sync) / 1e9,
+            "decode_full_gbps": nbytes / _median(lambda: dec(split, "full"), reps, sync) / 1e9}
+    return row
+
+
+def run(tokens: int = HEADLINE_TOKENS, as_json: bool = False, device: str = "cpu", max_mb: float = 1100,
+        reps: int = 5) -> dict:
     say = (lambda *a: None) if as_json else print
-    say(f"tensor {tuple(x.shape)} fp32 = {nbytes / 1e6:.1f} MB; copy_ {copy_gbps:.2f} GB/s; threads {torch.get_num_threads()}")
-    say(f"{'path':10s} {'encode':>10s} {'dec anchor':>11s} {'dec full':>10s}   (GB/s of fp32 input; % of copy_)")
-    for k, v in paths.items():
-        say(f"{k:10s} {v['encode_gbps']:10.2f} {v['decode_anchor_gbps']:11.2f} {v['decode_full_gbps']:10.2f}"
-              f"   enc {100 * v['encode_gbps'] / copy_gbps:.0f}% dec {100 * v['decode_full_gbps'] / copy_gbps:.0f}%")
-    out = {"copy_gbps": copy_gbps, "paths": paths, "bytes": nbytes}
+    sizes = sorted({t for t in (32, 256, 2048, tokens, 16384, 24576) if t * 2 * 3 * 30 * 64 * 4 / 1e6 <= max_mb}
+                   | {tokens})
+    say(f"device {device}, threads {torch.get_num_threads()}; GB/s of fp32 input (median of {reps}); % of copy_")
+    say(f"{'MB':>8s} {'copy_':>7s}  {'path':9s} {'encode':>13s} {'dec anchor':>13s} {'dec full':>13s}")
+    rows = {}
+    for t in sizes:
+        r = rows[t] = measure(t, device, reps=reps)
+        for name, v in r["paths"].items():
+            pct = lambda k: f"{v[k]:6.2f} ({100 * v[k] / r['copy_gbps']:3.0f}%)"
+            say(f"{r['mb']:8.1f} {r['copy_gbps']:7.2f}  {name:9s} {pct('encode_gbps')} {pct('decode_anchor_gbps')} "
+                f"{pct('decode_full_gbps')}")
+    head = rows[tokens]
+    out = {"copy_gbps": head["copy_gbps"], "paths": head["paths"], "bytes": int(head["mb"] * 1e6), "device": device,
+           "sizes": {str(r["tokens"]): r for r in rows.values()}}
     print(json.dumps(out))
     return out

@@ -23,7 +23,7 @@ def _bench(a):
     from lynx_hf.eval import bench_codec
 
     if a.what == "codec":
-        bench_codec.run(tokens=a.tokens, as_json=a.json)
+        bench_codec.run(tokens=a.tokens, as_json=a.json, device=a.device, max_mb=a.max_mb, reps=a.reps)
 
 
 def _demo(a):
@@ -86,7 +86,10 @@ def main(argv=None):
 
     b = sub.add_parser("bench", help="benchmarks that print numbers and a final JSON line")
     b.add_argument("what", choices=["codec"])
-    b.add_argument("--tokens", type=int, default=4096)
+    b.add_argument("--tokens", type=int, default=4096, help="headline size: the KV of this many tokens")
+    b.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    b.add_argument("--max-mb", type=float, default=1100, help="largest tensor of the size sweep")
+    b.add_argument("--reps", type=int, default=5)
     b.add_argument("--json", action="store_true")
     b.set_defaults(fn=_bench)
 

@@ -1,6 +1,8 @@
 """Triton kernels against their pure-torch twins (TRITON_INTERPRET=1 on CPU, set in conftest), and the
 torch.compile CPU path. Tolerances: codes 0; decoded fp32 1e-6 rel + 1e-7 abs; bf16/fp16 one ulp of the output
 dtype (the interpreter's casts round differently from torch's)."""
+import os
+
 import pytest
 import torch
 
@@ -15,11 +17,14 @@ CFGS = [Q(), Q(key_axis="token"), Q.paper(), Q.paper(key_axis="token", page_size
 ULP = {torch.float32: 0.0, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
 
 
+DEVICE = os.environ.get("LYNX_TEST_DEVICE", "cpu")  # eval/gpu_check.sh runs these on "cuda" (real Triton)
+
+
 def sample(S, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(2, 3, S, 64, generator=g) * torch.linspace(0.3, 3, 64)
     x[:, :, 0] *= 20
-    return x.to(dtype)
+    return x.to(dtype=dtype, device=DEVICE)
 
 
 @pytest.mark.parametrize("cfg", CFGS, ids=["lynx-ch", "lynx-tok", "paper-ch", "paper-tok"])

@@ -255,3 +255,14 @@ def test_torch_distributed_transport_gloo():
     assert sorted(got[1][:6]) == sorted([("RESIDUAL", i, 100) for i in range(3)] + [("ANCHOR", i, 10) for i in range(3)])
     assert got[1][6:] == [("timeout", True), "PeerClosed"]
     assert all(p.exitcode == 0 for p in ps)
+
+
+def test_end_to_end_over_torch_distributed():
+    """The GPU check's third part on the CPU: a prefill rank and a decode rank, each with the default model, the
+    whole session (handshake, KV streams, logits) over DistTransport (gloo); Lynx's tokens = the full tier's."""
+    from lynx_hf.eval import dist_pair
+
+    r = dist_pair.run("gloo", "cpu", tokens=96, new_tokens=6)
+    assert r["identical_to_full"] is True and r["tokens"] == 96
+    assert r["Lynx"]["bytes"] == r["Lynx, full tier only"]["bytes"] > 0
+    assert r["Lynx"]["ttft_s"] > 0 and r["INT8"]["tt32t_s"] >= r["INT8"]["ttft_s"]

@@ -87,13 +87,19 @@ class NetworkLoader(Loader):
 class DecodeClient:
     """The decode process's side of one connection to a prefill server."""
 
-    def __init__(self, model, host: str, port: int, secret: str | None = None, timeout_s: float = 30.0,
-                 insecure: bool = False, tls: bool = False, tls_ca: str | None = None):
+    def __init__(self, model, host: str | None = None, port: int | None = None, secret: str | None = None,
+                 timeout_s: float = 30.0, insecure: bool = False, tls: bool = False, tls_ca: str | None = None,
+                 transport=None):
         """tls / tls_ca: speak TLS, trusting the system's CAs or the PEM file `tls_ca` (a private CA or a
-        self-signed server certificate); the server's certificate must name `host`."""
+        self-signed server certificate); the server's certificate must name `host`. transport: an open Transport
+        instead of host/port (e.g. a DistTransport to the prefill rank, whose side runs `serve_channel`)."""
         self.model, self.timeout = model, timeout_s
         key = resolve_secret(secret, insecure)
-        if tls or tls_ca:
+        if transport is not None:
+            t = transport
+        elif host is None or port is None:
+            raise ValueError("DecodeClient needs host and port, or a transport")
+        elif tls or tls_ca:
             ctx = ssl.create_default_context(cafile=tls_ca)
             sock = socket.create_connection((host, port), timeout=timeout_s)
             t = TlsTcpTransport(sock, ctx, server_side=False, server_hostname=host, timeout=timeout_s)

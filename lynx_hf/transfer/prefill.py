@@ -85,6 +85,20 @@ def serve_request(model, ch: Channel, req: dict, rid: int, compute: threading.Lo
     return {"prompt_len": P, "prefill_s": prefill_s, "sent_s": time.perf_counter() - t0}
 
 
+def serve_channel(model, ch: Channel, secret: bytes, fp: str, hs_timeout: float = 10.0,
+                  compute: threading.Lock | None = None, peer: str = "peer") -> None:
+    """One connection's life on the prefill side, over any transport: handshake, then requests until the peer
+    closes. Wire and connection errors propagate to the caller (PrefillServer logs them and answers ERROR)."""
+    server_handshake(ch, secret, fp, hs_timeout)
+    while True:
+        try:
+            f = ch.recv(timeout=3600, expect=FrameType.REQUEST, limit=MAX_JSON)
+        except PeerClosed:
+            return
+        info = serve_request(model, ch, f.json(), f.request_id, compute)
+        log.info("request %s from %s: %s", f.request_id, peer, info)
+
+
 class PrefillServer:
     """Accepts decode peers; each connection gets its own thread, transport and sender (so a slow or stalled client
     only ever delays itself): handshake within `handshake_timeout` in all, then requests until the peer closes.
@@ -155,14 +169,7 @@ class PrefillServer:
             return
         ch = Channel(t)
         try:
-            server_handshake(ch, self.secret, self.fp, self.hs_timeout)
-            while True:
-                try:
-                    f = ch.recv(timeout=3600, expect=FrameType.REQUEST, limit=MAX_JSON)
-                except PeerClosed:
-                    return
-                info = serve_request(self.model, ch, f.json(), f.request_id, self._compute)
-                log.info("request %s from %s: %s", f.request_id, addr, info)
+            serve_channel(self.model, ch, self.secret, self.fp, self.hs_timeout, self._compute, str(addr))
         except (WireError, ConnectionError, TimeoutError, OSError) as e:
             log.warning("client %s dropped: %s", addr, e)
             try:

