@@ -68,7 +68,7 @@ def _metric():
     return evaluate.load(METRIC)
 
 
-def run(questions: int = 500, contexts=(1024, 2048), model_name: str | None = None, out: str = "docs/results.md",
+def run(questions: int = 500, contexts=(512, 1024), model_name: str | None = None, out: str = "docs/results.md",
         residual_after: int = 2, new_tokens: int = 4, lynx_config: str | None = None, as_json: bool = False) -> dict:
     from transformers.utils import logging
 

@@ -111,7 +111,7 @@ def main(argv=None):
 
     r = sub.add_parser("results", help="the accuracy table by KV mode (docs/results.md, docs/results.json)")
     r.add_argument("--questions", type=int, default=500)
-    r.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048], help="context lengths in tokens")
+    r.add_argument("--contexts", type=int, nargs="+", default=[512, 1024], help="context lengths in tokens")
     r.add_argument("--model", help="Hub id or local path (default: embedded SmolLM2-135M-Instruct)")
     r.add_argument("--lynx-config", help="folder, file or Hub repo with a lynx_config.json")
     r.add_argument("--residual-after", type=int, default=2, help="Lynx: residual lands after this many draft steps")

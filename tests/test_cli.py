@@ -51,3 +51,12 @@ def test_local_path_through_the_same_entry_point(tmp_path, model_and_tok):
     tok.save_pretrained(tmp_path)
     model, tok2 = lynx_hf.load_default_model(str(tmp_path))
     assert model.config.num_hidden_layers == 2 and tok2("hi").input_ids == tok("hi").input_ids
+
+
+def test_bench_codec_json():
+    r = _run("bench", "codec", "--json", "--tokens", "32", "--max-mb", "13", "--reps", "1")
+    assert r["device"] == "cpu" and r["copy_gbps"] > 0 and set(r["paths"]) == {"eager", "compiled"}
+    assert set(r["sizes"]) == {"32", "256"}
+    for row in r["sizes"].values():
+        for v in row["paths"].values():
+            assert set(v) == {"encode_gbps", "decode_anchor_gbps", "decode_full_gbps"} and min(v.values()) > 0
