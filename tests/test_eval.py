@@ -238,6 +238,11 @@ def test_calibrate_cli_writes_a_loadable_config(tmp_path):
              "--out", str(tmp_path), "--json")
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r["evaluated"] == 3 and r["kl_anchor"] <= r["default"]["kl_anchor"]
+    assert r["kept"] in ("searched", "default") and set(r["held_out"]) == {"searched", "default"}
+    if r["kept"] == "default":  # the searched setting lost on the held-out text
+        assert r["config"] == LynxQuantConfig().to_dict()
+        assert r["held_out"]["searched"]["kl_anchor"] >= r["held_out"]["default"]["kl_anchor"] or \
+            r["held_out"]["searched"]["accepted_prefix"] < r["held_out"]["default"]["accepted_prefix"]
     assert LynxQuantConfig.from_pretrained(tmp_path).to_dict() == r["config"]
 
 
