@@ -74,7 +74,7 @@ def measure(tokens: int, device: str = "cpu", heads: int = 3, layers: int = 30, 
     return row
 
 
-def run(tokens: int = HEADLINE_TOKENS, as_json: bool = False, device: str = "cpu", max_mb: float = 1100,
+def run(tokens: int = HEADLINE_TOKENS, as_json: bool = False, device: str = "cpu", max_mb: float = 1200,
         reps: int = 5) -> dict:
     say = (lambda *a: None) if as_json else print
     sizes = sorted({t for t in (32, 256, 2048, tokens, 16384, 24576) if t * 2 * 3 * 30 * 64 * 4 / 1e6 <= max_mb}

@@ -88,7 +88,7 @@ def main(argv=None):
     b.add_argument("what", choices=["codec"])
     b.add_argument("--tokens", type=int, default=4096, help="headline size: the KV of this many tokens")
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    b.add_argument("--max-mb", type=float, default=1100, help="largest tensor of the size sweep")
+    b.add_argument("--max-mb", type=float, default=1200, help="largest tensor of the size sweep")
     b.add_argument("--reps", type=int, default=5)
     b.add_argument("--json", action="store_true")
     b.set_defaults(fn=_bench)
