@@ -15,9 +15,9 @@ from pathlib import Path
 from lynx_hf import LynxQuantConfig
 from lynx_hf.hub import write_custom_generate
 
+from .results import LABELS
+
 DEFAULT_BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
-LABELS = {"bf16": "BF16", "int8": "INT8", "int4": "INT4 (KIVI-4)", "kivi2": "KIVI-2", "anchor": "Lynx anchor only",
-          "lynx": "Lynx"}
 
 
 def _results_json(results: str | None) -> dict | None:
