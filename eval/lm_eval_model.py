@@ -30,10 +30,10 @@ from transformers import StopStringCriteria, StoppingCriteriaList
 import lynx_hf
 from lynx_hf import LynxQuantConfig
 from lynx_hf.loader import prefill
+from lynx_hf.transfer.decode import DTYPES  # dtype name → torch dtype, as on the wire
 
 from .kv_modes import MODES, continuation_logprobs, mode_config, transferred_cache
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @register_model("lynx")
@@ -43,8 +43,8 @@ class LynxLM(HFLM):
                  dtype: str = "float32", device: str | None = None, **kwargs):
         if kv not in MODES:
             raise ValueError(f"lynx: kv must be one of {MODES}, got {kv!r}")
-        if dtype not in _DTYPES:
-            raise ValueError(f"lynx: dtype must be one of {tuple(_DTYPES)}, got {dtype!r}")
+        if dtype not in DTYPES:
+            raise ValueError(f"lynx: dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
         self.kv = kv
         self.lynx_config = LynxQuantConfig.from_pretrained(lynx_config) if lynx_config else None
         mode_config(kv, self.lynx_config)  # validates the pair
@@ -52,7 +52,7 @@ class LynxLM(HFLM):
         self.bandwidth_bps = float(bandwidth_mbps) * 1e6 if bandwidth_mbps else None
         if device is None or (str(device).startswith("cuda") and not torch.cuda.is_available()):
             device = "cuda" if torch.cuda.is_available() else "cpu"  # lm-eval's CLI says cuda:0 unless told
-        model, tok = lynx_hf.load_default_model(pretrained, dtype=_DTYPES[dtype], gguf_file=gguf_file, device=device)
+        model, tok = lynx_hf.load_default_model(pretrained, dtype=DTYPES[dtype], gguf_file=gguf_file, device=device)
         super().__init__(pretrained=model, tokenizer=tok, **kwargs)
         self._stops: dict = {}
 
