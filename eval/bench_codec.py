@@ -1,7 +1,8 @@
 """`lynx-hf bench codec`: encode / decode throughput of each implementation next to `copy_` bandwidth, measured in
 one run on the same tensors: KV-shaped fp32 tensors [1, 2 × layers × heads, S, 64] from ~1 MB to `max_mb`, medians
-over `reps` repeats. CPU paths: "eager" (torch ops), "compiled" (torch.compile of the same code); CUDA: "triton"
-(the kernels) and "eager". GB/s counts the fp32 input bytes once. Prints a table and one JSON line whose `copy_gbps`
+over `reps` repeats. CPU paths: "c" (the C kernels, the default), "compiled" (torch.compile of the torch ops),
+"eager" (torch ops); CUDA: "triton" (the kernels) and "eager". Encode is the whole encode (range pass, statistics,
+codes); decode the whole decode, into a fresh output as a user gets it. GB/s counts the fp32 input bytes once. Prints a table and one JSON line whose `copy_gbps`
 and `paths` are those of the headline size (the whole KV of a 4K-token prompt of the default model, 189 MB); `sizes`
 has every size."""
 from __future__ import annotations
@@ -12,7 +13,7 @@ import time
 
 import torch
 
-from lynx_hf import LynxQuantConfig, quant
+from lynx_hf import LynxQuantConfig
 from lynx_hf.quant import dispatch, lynx
 
 HEADLINE_TOKENS = 4096
@@ -31,29 +32,14 @@ def _median(fn, reps: int, sync) -> float:
 
 
 def _paths(device: str):
-    """name → (encode(x) -> SplitKV, decode(split, tier) -> Tensor)."""
+    """name → (encode(x) -> SplitKV, decode(split, tier) -> Tensor), each through one implementation."""
     cfg = LynxQuantConfig()
-    if device == "cuda":
-        return {"triton": (lambda x: quant.encode(x, cfg), lambda s, t: quant.decode(s, t)),
-                "eager": (lambda x: lynx.encode(x, cfg, "key"), lambda s, t: lynx.decode(s, t))}
-
-    def with_compile(on):
-        def enc(x):
-            dispatch.enable_compile(on)
-            try:
-                return quant.encode(x, cfg)
-            finally:
-                dispatch.enable_compile(None)
-
-        def dec(s, t):
-            dispatch.enable_compile(on)
-            try:
-                return quant.decode(s, t)
-            finally:
-                dispatch.enable_compile(None)
-        return enc, dec
-
-    return {"eager": with_compile(False), "compiled": with_compile(True)}
+    names = ("triton", "eager") if device == "cuda" else ("c", "compiled", "eager")
+    out = {}
+    for name in names:
+        k = lynx.REFERENCE if name == "eager" else dispatch.kernels(torch.device(device), 1 << 30, name)
+        out[name] = (lambda x, k=k: lynx.encode(x, cfg, "key", k), lambda s, t, k=k: lynx.decode(s, t, k))
+    return out
 
 
 def measure(tokens: int, device: str = "cpu", heads: int = 3, layers: int = 30, reps: int = 5) -> dict:

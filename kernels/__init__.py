@@ -1,12 +1,25 @@
-"""Triton kernels for the Lynx codec, installed as `lynx_hf.kernels` (never as a bare top-level `kernels`).
+"""Fused kernels for the Lynx codec, installed as `lynx_hf.kernels` (never as a bare top-level `kernels`).
 
-One public op per module, each with the same signature as its pure-torch twin in `lynx_hf.quant.lynx`:
-  encode.py  encode_codes_triton  ≡ lynx.encode_codes   (normalise, compand, split, pack)
-  decode.py  decode_codes_triton  ≡ lynx.decode_codes   (unpack, look up, de-normalise; anchor or full tier)
-Tolerances (asserted in tests/test_kernels.py): codes and packed bytes equal exactly; decoded floats within
-1e-6 relative + 1e-7 absolute of the twin (one rounding of an fp32 multiply-add). Kernels upcast to fp32 inside,
-so bf16 / fp16 inputs run under TRITON_INTERPRET=1 too."""
-from .decode import decode_codes_triton
-from .encode import encode_codes_triton
+Each op has the signature and the results of its pure-torch twin in `lynx_hf.quant.lynx` (`lynx.Kernels`):
+  encode.py  encode_codes_triton  ≡ lynx.encode_codes   (GPU: normalise, compand, split, pack)
+  decode.py  decode_codes_triton  ≡ lynx.decode_codes   (GPU: unpack, look up, de-normalise; anchor or full tier)
+  cpu.py     minmax_cpu, range_stats_cpu, encode_codes_cpu, decode_codes_cpu   (CPU, C through ctypes: codec_cpu.c)
+Tolerances (asserted in tests/test_kernels.py): codes and packed bytes equal exactly everywhere; the C kernels'
+statistics and decoded values equal exactly too (same fp32 operations, no contraction); the Triton kernels' decoded
+floats within 1e-6 relative + 1e-7 absolute of the twin (one rounding of an fp32 multiply-add). Triton kernels
+upcast to fp32 inside, so bf16 / fp16 inputs run under TRITON_INTERPRET=1 too. Triton is imported only when a
+Triton op is asked for."""
 
 __all__ = ["encode_codes_triton", "decode_codes_triton"]
+
+
+def __getattr__(name):
+    if name == "encode_codes_triton":
+        from .encode import encode_codes_triton
+
+        return encode_codes_triton
+    if name == "decode_codes_triton":
+        from .decode import decode_codes_triton
+
+        return decode_codes_triton
+    raise AttributeError(name)

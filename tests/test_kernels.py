@@ -1,6 +1,8 @@
-"""Triton kernels against their pure-torch twins (TRITON_INTERPRET=1 on CPU, set in conftest), and the
-torch.compile CPU path. Tolerances: codes 0; decoded fp32 1e-6 rel + 1e-7 abs; bf16/fp16 one ulp of the output
-dtype (the interpreter's casts round differently from torch's)."""
+"""Every kernel against its pure-torch twin (lynx.Kernels): the Triton kernels (TRITON_INTERPRET=1 on CPU, set in
+conftest), the C kernels (AVX-512 build and the portable build), the torch.compile path. Tolerances: codes,
+statistics and packed bytes 0 everywhere; the C kernels' decoded values 0 too; Triton decoded fp32 1e-6 rel +
+1e-7 abs, bf16/fp16 one ulp of the output dtype (the interpreter's casts round differently from torch's)."""
+import dataclasses
 import os
 
 import pytest
@@ -10,8 +12,8 @@ from lynx_hf import LynxQuantConfig as Q
 from lynx_hf.quant import dispatch
 from lynx_hf.quant import lynx as L
 
-triton = pytest.importorskip("triton")
-from lynx_hf.kernels import decode_codes_triton, encode_codes_triton  # noqa: E402
+from lynx_hf.kernels import cpu  # noqa: E402
+from lynx_hf.quant.tables import tables  # noqa: E402
 
 CFGS = [Q(), Q(key_axis="token"), Q.paper(), Q.paper(key_axis="token", page_size=64, chunk_size=16)]
 ULP = {torch.float32: 0.0, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
@@ -31,27 +33,116 @@ def sample(S, dtype, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("S", [1, 77])
 def test_triton_matches_reference(cfg, dtype, S):
+    pytest.importorskip("triton")
+    from lynx_hf.kernels import decode_codes_triton, encode_codes_triton
+
+    k = dataclasses.replace(L.REFERENCE, encode_codes=encode_codes_triton, decode_codes=decode_codes_triton)
     x = sample(S, dtype)
     ref = L.encode(x, cfg, "key")
-    tri = L.encode(x, cfg, "key", impl=encode_codes_triton)
+    tri = L.encode(x, cfg, "key", k)
     assert torch.equal(ref.anchor, tri.anchor) and torch.equal(ref.residual, tri.residual)
     for tier in ("anchor", "full"):
         a = L.decode(ref, tier).float()
-        b = L.decode(ref, tier, impl=decode_codes_triton).float()
+        b = L.decode(ref, tier, k).float()
         tol = 1e-6 * a.abs() + 1e-7 + ULP[dtype] * a.abs()
         assert ((a - b).abs() <= tol).all(), float((a - b).abs().max())
 
 
 def test_compiled_cpu_path_matches_reference():
-    x = sample(300, torch.float32)
-    dispatch.enable_compile(True)
-    try:
-        for cfg in (Q(), Q.paper()):
-            ref = L.encode(x, cfg, "key")
-            fused = L.encode(x, cfg, "key", impl=dispatch.fused_encode_op(x.device))
-            assert torch.equal(ref.anchor, fused.anchor) and torch.equal(ref.residual, fused.residual)
-            a = L.decode(ref, "full")
-            b = L.decode(ref, "full", impl=dispatch.fused_decode_op(x.device))
-            assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
-    finally:
-        dispatch.enable_compile(None)
+    x = sample(300, torch.float32).cpu()
+    k = dispatch.kernels(x.device, path="compiled")
+    for cfg in (Q(), Q.paper()):
+        ref = L.encode(x, cfg, "key")
+        fused = L.encode(x, cfg, "key", k)
+        assert torch.equal(ref.anchor, fused.anchor) and torch.equal(ref.residual, fused.residual)
+        assert torch.allclose(L.decode(ref, "full"), L.decode(ref, "full", k), rtol=1e-6, atol=1e-7)
+
+
+# ---- C kernels (CPU): bit-identical to the torch twins, in both builds ----
+
+@pytest.fixture(scope="module", params=["native", "portable"])
+def c_kernels(request):
+    """The C kernels as built for this machine (AVX-512 where it has it), then rebuilt without AVX-512."""
+    ok, why = cpu.available()
+    if not ok:
+        pytest.skip(f"C kernels unavailable: {why}")
+    saved = cpu._state.pop("lib")
+    if request.param == "portable":
+        cpu._state["lib"] = cpu._build(["-mno-avx512f"])
+    else:
+        cpu._state["lib"] = saved
+    yield L.Kernels(cpu.minmax_cpu, cpu.range_stats_cpu, cpu.encode_codes_cpu, cpu.decode_codes_cpu)
+    cpu._state["lib"] = saved
+
+
+CPU_CFGS = CFGS + [Q(alpha=0.0), Q(alpha=3.0, value_axis="token"), Q(alpha=40.0)]
+
+
+@pytest.mark.parametrize("cfg", CPU_CFGS, ids=["lynx-ch", "lynx-tok", "paper-ch", "paper-tok", "lin", "a3", "a40"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(2, 3, 1, 64), (2, 3, 77, 64), (1, 2, 300, 128), (1, 2, 65, 48), (1, 2, 33, 20)])
+def test_c_kernels_match_reference_exactly(c_kernels, cfg, dtype, shape):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*shape, generator=g) * torch.linspace(0.3, 3, shape[-1])
+    x[:, :, 0] *= 20
+    x = x.to(dtype)
+    for kind in ("key", "value"):
+        for fast in (True, False):
+            ref = L.encode(x, cfg, kind, fast=fast)
+            got = L.encode(x, cfg, kind, c_kernels, fast=fast)
+            assert got.axis == ref.axis
+            assert torch.equal(ref.anchor, got.anchor) and torch.equal(ref.residual, got.residual)
+            assert ref.meta.keys() == got.meta.keys()
+            for name in ref.meta:
+                assert ref.meta[name].dtype == got.meta[name].dtype and torch.equal(ref.meta[name], got.meta[name])
+        for tier in ("anchor", "full"):
+            a, b = L.decode(ref, tier), L.decode(ref, tier, c_kernels)
+            assert a.dtype == b.dtype and torch.equal(a, b), tier
+
+
+def test_c_minmax_and_range_stats_match_reference(c_kernels):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 130, 64, generator=g) * 5
+    x[0, 1, 7, 3] = float("nan")
+    x[1, 2, 129, 60] = float("inf")
+    (lc, hc), (lt, ht) = L.minmax(x, 64)
+    (lc2, hc2), (lt2, ht2) = c_kernels.minmax(x, 64)
+    for a, b in ((lc, lc2), (hc, hc2), (lt, lt2), (ht, ht2)):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    lo, hi = torch.randn(1000, generator=g) * 100, None
+    hi = lo + torch.rand(1000, generator=g) * torch.logspace(-9, 3, 1000)
+    for a, b in zip(L.range_stats(lo, hi), c_kernels.range_stats(lo, hi)):
+        assert a.dtype == b.dtype == torch.float16 and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("method,alpha", [("lynx", 0.5), ("lynx", 0.0), ("lynx", 3.0), ("lynx", 40.0),
+                                          ("paper", 255.0), ("paper", 0.0)])
+def test_c_codes_exact_at_every_threshold(c_kernels, method, alpha):
+    """u on, just above and just below each threshold (and its mirror), plus dense random u: the arithmetic code
+    path must agree with the threshold count everywhere, edges included."""
+    thr, _, _ = tables(method, alpha, "center" if method == "lynx" else "paper")
+    up, down = torch.tensor(float("inf")), torch.tensor(-float("inf"))
+    u = torch.cat([thr, thr.nextafter(up), thr.nextafter(down), -thr, (-thr).nextafter(torch.tensor(0.0)),
+                   torch.rand(100_000, generator=torch.Generator().manual_seed(2)) * 2.2 - 1.1,
+                   torch.tensor([0.0, -0.0, 1.0, -1.0, 5.0, -5.0, 1e-30, -1e-30])])
+    u = torch.cat([u, torch.zeros((-u.numel()) % 64)]).view(1, 1, -1, 64)
+    S = u.shape[2]
+    mu, rho = torch.zeros(1, 1, S, dtype=torch.float16), torch.ones(1, 1, S, dtype=torch.float16)
+    args = dict(axis="token", page=256, chunk=64, sign_magnitude=method == "paper")
+    ref = L.encode_codes(u, None, None, mu, rho, thr, **args, alpha=None)
+    got = c_kernels.encode_codes(u, None, None, mu, rho, thr, **args, alpha=alpha)
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+
+
+def test_c_encode_refuses_nan_like_reference(c_kernels):
+    x = torch.randn(1, 2, 70, 64)
+    x[0, 1, 69, 5] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        L.encode(x, Q(), "key", c_kernels)
+
+
+def test_dispatch_picks_c_on_cpu_and_keeps_paths_selectable():
+    assert dispatch.kernels(torch.device("cpu"), 10).encode_codes is cpu.encode_codes_cpu
+    assert dispatch.kernels(torch.device("cpu"), 10, path="eager") is L.REFERENCE
+    with pytest.raises(ValueError, match="path"):
+        dispatch.use("fast")

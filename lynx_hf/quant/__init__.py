@@ -3,8 +3,8 @@
 x is one layer's keys or values, [B, H_kv, S, D], in bf16 / fp16 / fp32. This package knows nothing about caches,
 models or transport. `CODECS` maps each method name of `LynxQuantConfig` to its `Codec` (encode, decode, whether it
 has a residual stream); `encode`/`decode` validate and dispatch through it. The Lynx codec picks the fastest exact
-implementation for the tensor's device (Triton on CUDA, a fused torch.compile path on CPU for large tensors, else
-eager torch; see quant/dispatch.py); `reference=True` forces the reference (eager, threshold-search codes)."""
+implementation for the tensor's device (Triton on CUDA; on CPU the C kernels, else torch.compile for large tensors,
+else eager torch; see quant/dispatch.py); `reference=True` forces the reference (eager, threshold-search codes)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,20 +37,20 @@ def _finite(x: torch.Tensor) -> None:
 
 
 def _lynx_encode(x, config, kind, reference):
-    from .dispatch import fused_encode_op
+    from .dispatch import kernels
 
     if reference:
         return lynx.encode(x, config, kind, fast=False)
-    return lynx.encode(x, config, kind, impl=fused_encode_op(x.device, x.numel()))
+    return lynx.encode(x, config, kind, kernels(x.device, x.numel()))
 
 
 def _lynx_decode(split, tier, reference):
-    from .dispatch import fused_decode_op
+    from .dispatch import kernels
 
     if tier == "full" and split.residual is None:
         raise ValueError("decode: the full tier needs the residual stream, which this SplitKV lacks")
-    numel = split.anchor.numel() * 2
-    return lynx.decode(split, tier, impl=None if reference else fused_decode_op(split.anchor.device, numel))
+    return lynx.decode(split, tier, lynx.REFERENCE if reference else kernels(split.anchor.device,
+                                                                             split.anchor.numel() * 2))
 
 
 def _baseline(enc, dec) -> Codec:

@@ -1,67 +1,84 @@
-"""Which implementation of the two hot ops runs where: Triton on CUDA; on CPU a fused torch.compile path for
-tensors of at least COMPILE_MIN_NUMEL elements (compiling costs seconds once, so small tensors stay eager), or
-always/never with LYNX_COMPILE=1/0 or `enable_compile(True/False)`. If compilation fails (no C++ compiler, an
-unsupported platform), the eager reference takes over for the rest of the process, with one warning."""
+"""Which implementation of the codec's four hot ops (`lynx.Kernels`) runs where.
+
+CUDA: the Triton kernels for encode_codes / decode_codes (the range passes stay torch, on the GPU).
+CPU, by path (`use(path)`, or LYNX_CPU_CODEC=path in the environment):
+  "auto"      the C kernels (kernels/codec_cpu.c, built once per machine), else torch.compile for tensors of at
+              least COMPILE_MIN_NUMEL elements, else eager torch (the default);
+  "c" / "compiled" / "eager"   that path only (bench codec compares them).
+A path that cannot run here (no C compiler, a compiler failure inside torch.compile) warns once and hands over to
+the next one down; every path gives bit-identical codes (tests/test_kernels.py)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 
 import torch
 
+from . import lynx
+
+PATHS = ("auto", "c", "compiled", "eager")
 COMPILE_MIN_NUMEL = 1 << 18
+_state = {"path": os.environ.get("LYNX_CPU_CODEC", "auto"), "c_broken": False, "compile_broken": False}
+if _state["path"] not in PATHS:
+    raise ValueError(f"LYNX_CPU_CODEC must be one of {PATHS}, got {_state['path']!r}")
 _compiled: dict = {}
-_mode = {"1": True, "0": False}.get(os.environ.get("LYNX_COMPILE", ""), None)  # None = by size
-_broken = False
 
 
-def enable_compile(on: bool | None = True) -> None:
-    """True: always compile on CPU; False: never; None: by tensor size (the default)."""
-    global _mode
-    _mode = on
+def use(path: str = "auto") -> None:
+    """Select the CPU path for this process (see the module docstring)."""
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    _state["path"] = path
 
 
-def _compiled_ops():
-    if not _compiled:
-        from . import lynx
+def current() -> str:
+    return _state["path"]
 
-        _compiled["enc"] = torch.compile(lynx.encode_codes, dynamic=True)
-        _compiled["dec"] = torch.compile(lynx.decode_codes, dynamic=True)
-    return _compiled
+
+def _c_kernels() -> lynx.Kernels | None:
+    if _state["c_broken"]:
+        return None
+    from lynx_hf.kernels import cpu
+
+    ok, why = cpu.available()
+    if not ok:
+        _state["c_broken"] = True
+        warnings.warn(f"the Lynx C kernels are unavailable ({why}); using torch on the CPU")
+        return None
+    return lynx.Kernels(cpu.minmax_cpu, cpu.range_stats_cpu, cpu.encode_codes_cpu, cpu.decode_codes_cpu)
 
 
 def _guarded(name: str):
     def op(*args, **kwargs):
-        global _broken
-        from . import lynx
-
-        eager = lynx.encode_codes if name == "enc" else lynx.decode_codes
-        if not _broken:
+        eager = getattr(lynx, name)
+        if not _state["compile_broken"]:
             try:
-                return _compiled_ops()[name](*args, **kwargs)
+                if name not in _compiled:
+                    _compiled[name] = torch.compile(eager, dynamic=True)
+                return _compiled[name](*args, **kwargs)
             except Exception as e:  # noqa: BLE001 — any compiler failure: fall back, once, loudly
-                _broken = True
+                _state["compile_broken"] = True
                 warnings.warn(f"torch.compile of the Lynx codec failed ({type(e).__name__}: {e}); using eager torch")
         return eager(*args, **kwargs)
 
     return op
 
 
-def _use_compile(numel: int) -> bool:
-    return not _broken and (_mode if _mode is not None else numel >= COMPILE_MIN_NUMEL)
+COMPILED = lynx.Kernels(encode_codes=_guarded("encode_codes"), decode_codes=_guarded("decode_codes"))
 
 
-def fused_encode_op(device: torch.device, numel: int = 0):
+def kernels(device: torch.device, numel: int = 0, path: str | None = None) -> lynx.Kernels:
+    """The four ops for a tensor of `numel` elements on `device` (CPU: by `path`, default the selected one)."""
     if device.type == "cuda":
-        from lynx_hf.kernels import encode_codes_triton
+        from lynx_hf.kernels import decode_codes_triton, encode_codes_triton
 
-        return encode_codes_triton
-    return _guarded("enc") if _use_compile(numel) else None
-
-
-def fused_decode_op(device: torch.device, numel: int = 0):
-    if device.type == "cuda":
-        from lynx_hf.kernels import decode_codes_triton
-
-        return decode_codes_triton
-    return _guarded("dec") if _use_compile(numel) else None
+        return dataclasses.replace(lynx.REFERENCE, encode_codes=encode_codes_triton, decode_codes=decode_codes_triton)
+    path = path or _state["path"]
+    if path in ("auto", "c"):
+        k = _c_kernels()
+        if k is not None:
+            return k
+    if path == "compiled" or (path in ("auto", "c") and numel >= COMPILE_MIN_NUMEL):
+        return COMPILED
+    return lynx.REFERENCE

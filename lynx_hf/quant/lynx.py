@@ -14,6 +14,8 @@ Decoding is x̂ = γ_min + γ_scale·(μ + σ·LUT[code]). Codes depend only on 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -34,11 +36,8 @@ def _pad_tokens(x: torch.Tensor, multiple: int) -> torch.Tensor:
     return torch.cat([x, x[:, :, -1:].expand(-1, -1, pad, -1)], dim=2)
 
 
-def page_stats(x: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [B, H, S, D] fp32 → γ_min, γ_scale: [B, H, NP, D] fp16 with γ_min ≤ min and γ_min + γ_scale ≥ max."""
-    B, H, S, D = x.shape
-    xp = _pad_tokens(x, page).view(B, H, -1, page, D)
-    lo, hi = xp.amin(3), xp.amax(3)
+def page_range(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-page min / max [B, H, NP, D] → γ_min, γ_scale fp16 with γ_min ≤ lo and γ_min + γ_scale ≥ hi."""
     gmin = lo.half()
     gmin = torch.where(gmin.float() > lo, torch.nextafter(gmin, torch.tensor(-torch.inf, dtype=gmin.dtype)), gmin)
     span = hi - gmin.float()
@@ -61,26 +60,47 @@ def _chunk_view(t: torch.Tensor, S: int, axis: str, chunk: int) -> torch.Tensor:
     return t.float().unsqueeze(3).expand(B, H, NC, chunk, D).reshape(B, H, NC * chunk, D)[:, :, :S]
 
 
+def minmax(x: torch.Tensor, chunk: int, channel: bool = True, token: bool = True):
+    """One pass of ranges over x: [B, H, S, D] (any float dtype; results fp32, NaN propagates).
+    → ((lo_c, hi_c) per chunk of C tokens and channel [B, H, NC, D], (lo_t, hi_t) per token [B, H, S]); a part not
+    asked for is (None, None) (an implementation may compute it anyway)."""
+    B, H, S, D = x.shape
+    xf = x.float()
+    ch = tok = (None, None)
+    if channel:
+        g = _pad_tokens(xf, chunk).view(B, H, -1, chunk, D)
+        ch = (g.amin(3), g.amax(3))
+    if token:
+        tok = (xf.amin(-1), xf.amax(-1))
+    return ch, tok
+
+
+def range_stats(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group min / max (fp32, finite) → μ = mid-range and σ = half-range in fp16, σ rounded outward so that
+    σ ≥ max(hi − μ, μ − lo) in fp32: then |u| ≤ 1 for every member of the group."""
+    mu = ((hi + lo) / 2).half()
+    span = torch.maximum(hi - mu.float(), mu.float() - lo)
+    sigma = span.clamp_min(2.0 ** -24).half()
+    sigma = torch.where(sigma.float() < span, torch.nextafter(sigma, torch.tensor(torch.inf, dtype=sigma.dtype)), sigma)
+    return mu, sigma
+
+
 def chunk_stats(xn: torch.Tensor, axis: str, chunk: int, paper: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """xn: [B, H, S, D] → μ, σ: [B, H, NC, D] (channel axis) or [B, H, S] (token axis).
-    paper: mean / max-deviation as uint8 in units of 1/255 (xn ∈ [0, 1]); else mid-range / half-range in fp16."""
+    paper: mean / max-deviation as uint8 in units of 1/255 (xn ∈ [0, 1]); else range_stats (fp16)."""
     B, H, S, D = xn.shape
+    (lo_c, hi_c), (lo_t, hi_t) = minmax(xn, chunk, channel=axis == "channel", token=axis == "token")
+    lo, hi = (lo_t, hi_t) if axis == "token" else (lo_c, hi_c)
+    if not paper:
+        return range_stats(lo, hi)
     if axis == "token":
-        lo, hi = xn.amin(-1), xn.amax(-1)
         mean = xn.mean(-1)
     else:
         g = _pad_tokens(xn, chunk).view(B, H, -1, chunk, D)
-        lo, hi = g.amin(3), g.amax(3)
         valid = torch.ones(g.shape[2] * chunk, dtype=xn.dtype, device=xn.device)
         valid[S:] = 0
         valid = valid.view(1, 1, -1, chunk, 1)
         mean = (g * valid).sum(3) / valid.sum(3)
-    if not paper:
-        mu = ((hi + lo) / 2).half()
-        span = torch.maximum(hi - mu.float(), mu.float() - lo)
-        sigma = span.clamp_min(2.0 ** -24).half()
-        sigma = torch.where(sigma.float() < span, torch.nextafter(sigma, torch.tensor(torch.inf, dtype=sigma.dtype)), sigma)
-        return mu, sigma
     mu_q = (mean * 255).round().clamp(0, 255)
     muf = mu_q / 255
     dev = torch.maximum(hi - muf, muf - lo)
@@ -189,10 +209,12 @@ def decode_codes(anchor, residual, gmin, gscale, mu, rho, lut, *, axis: str, pag
     return (_page_view(gmin, S, page) + _page_view(gscale, S, page) * xn).to(out_dtype)
 
 
-def check_finite_range(x: torch.Tensor) -> None:
-    if not torch.isfinite(x).all():
+def check_ranges(lo: torch.Tensor, hi: torch.Tensor) -> None:
+    """lo / hi: group minima / maxima covering every element of an input (NaN propagated into them)."""
+    top = float(torch.maximum(-lo.amin(), hi.amax()))  # NaN when any element is NaN, inf when any is ±inf
+    if not math.isfinite(top):
         raise ValueError("encode: input contains NaN or Inf")
-    if x.abs().max() > FP16_MAX:
+    if top > FP16_MAX:
         raise ValueError(f"encode: |x| exceeds {FP16_MAX:g}, the range of the fp16 page metadata; use method='bf16'")
 
 
@@ -204,44 +226,65 @@ def choose_axis(x: torch.Tensor) -> str:
     AUTO_CHANNEL_RATIO: keys, with their rotary outlier channels), else "token" (values: per-token scale, and
     small-norm attention-sink tokens that keep their precision only in their own group). On SmolLM2 the rule
     picks "channel" for every key tensor and "token" for all but the first value tensors (docs/codec.md)."""
-    ch = x.detach().float().abs().amax(2)  # [B, H, D]
+    return _axis_from_absmax(x.detach().float().abs().amax(2))
+
+
+def _axis_from_absmax(ch: torch.Tensor) -> str:
+    """ch: per-channel absmax [B, H, D]."""
     ratio = ch.amax(-1) / ch.median(-1).values.clamp_min(1e-30)
     return "channel" if float(ratio.mean()) >= AUTO_CHANNEL_RATIO else "token"
 
 
-def encode(x: torch.Tensor, config: LynxQuantConfig, kind: str, impl=None, fast: bool = True) -> SplitKV:
-    """Lynx / paper encode. `impl` is the fused op to use for encode_codes (same signature); None = this module's.
-    fast=False uses the threshold search (the definition of the code) instead of the arithmetic path."""
+@dataclass(frozen=True)
+class Kernels:
+    """The codec's four hot ops. Every implementation (this module's torch, the Triton kernels, the C kernels)
+    provides the same four signatures with the same results; `encode` / `decode` are written over them."""
+
+    minmax: Callable = minmax
+    range_stats: Callable = range_stats
+    encode_codes: Callable = encode_codes
+    decode_codes: Callable = decode_codes
+
+
+REFERENCE = Kernels()
+
+
+def encode(x: torch.Tensor, config: LynxQuantConfig, kind: str, kernels: Kernels = REFERENCE,
+           fast: bool = True) -> SplitKV:
+    """Lynx / paper encode over `kernels`. One pass of ranges (minmax) gives the finiteness check, the automatic
+    axis, the page stage and the chunk stats; a second pass writes the codes. fast=False codes by the threshold
+    search (the definition of the code) instead of the arithmetic path."""
     axis = config.axis(kind)
-    check_finite_range(x)
     if x.shape[-1] % 2:
         raise ValueError(f"encode: head_dim must be even to pack 4-bit codes, got {x.shape[-1]}")
+    S, paper, C = x.shape[2], config.method == "paper", config.chunk_size
+    (lo_c, hi_c), (lo_t, hi_t) = kernels.minmax(x, C, channel=True, token=axis != "channel" and not paper)
+    check_ranges(lo_c, hi_c)
     if axis == "auto":
-        axis = choose_axis(x)
-    xn, S, paper = x.float(), x.shape[2], config.method == "paper"
+        axis = _axis_from_absmax(torch.maximum(lo_c.abs(), hi_c.abs()).amax(2))
     gmin = gscale = None
-    if paper:
-        gmin, gscale = page_stats(xn, config.page_size)
-        xn = (xn - _page_view(gmin, S, config.page_size)) / _page_view(gscale, S, config.page_size)
-    mu, rho = chunk_stats(xn, axis, config.chunk_size, paper)
+    if paper:  # page ranges from the chunk ranges (a page is a whole number of chunks)
+        B, H, NC, D = lo_c.shape
+        per = config.page_size // C
+        pad = lambda t: torch.cat([t, t[:, :, -1:].expand(-1, -1, (-NC) % per, -1)], 2).view(B, H, -1, per, D)
+        gmin, gscale = page_range(pad(lo_c).amin(3), pad(hi_c).amax(3))
+        xn = (x.float() - _page_view(gmin, S, config.page_size)) / _page_view(gscale, S, config.page_size)
+        mu, rho = chunk_stats(xn, axis, C, paper)
+    else:
+        mu, rho = kernels.range_stats(*((lo_t, hi_t) if axis == "token" else (lo_c, hi_c)))
     thr, _, _ = tables(config.method, float(config.alpha), config.anchor)
-    op = impl or encode_codes
-    anchor, residual = op(x, gmin, gscale, mu, rho, thr, axis=axis, page=config.page_size, chunk=config.chunk_size,
-                          sign_magnitude=paper, alpha=None if fast is False else float(config.alpha))
+    anchor, residual = kernels.encode_codes(x, gmin, gscale, mu, rho, thr, axis=axis, page=config.page_size, chunk=C,
+                                            sign_magnitude=paper, alpha=float(config.alpha) if fast else None)
     meta = {"mu": mu, "sigma": rho}
     if paper:
         meta.update(gamma_min=gmin, gamma_scale=gscale)
     return SplitKV(config, kind, tuple(x.shape), x.dtype, anchor, residual, meta, axis)
 
 
-def decode(split: SplitKV, tier: str, impl=None) -> torch.Tensor:
+def decode(split: SplitKV, tier: str, kernels: Kernels = REFERENCE) -> torch.Tensor:
     cfg = split.config
     _, full, anc = tables(cfg.method, float(cfg.alpha), cfg.anchor)
     m = split.meta
-    op = impl or decode_codes
-    if tier == "full":
-        res, lut = split.residual, full
-    else:
-        res, lut = None, anc
-    return op(split.anchor, res, m.get("gamma_min"), m.get("gamma_scale"), m["mu"], m["sigma"], lut,
-              axis=split.axis, page=cfg.page_size, chunk=cfg.chunk_size, out_dtype=split.dtype)
+    res, lut = (split.residual, full) if tier == "full" else (None, anc)
+    return kernels.decode_codes(split.anchor, res, m.get("gamma_min"), m.get("gamma_scale"), m["mu"], m["sigma"],
+                                lut, axis=split.axis, page=cfg.page_size, chunk=cfg.chunk_size, out_dtype=split.dtype)
