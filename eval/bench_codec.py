@@ -2,7 +2,9 @@
 one run on the same tensors: KV-shaped fp32 tensors [1, 2 × layers × heads, S, 64] from ~1 MB to `max_mb`, medians
 over `reps` repeats. CPU paths: "c" (the C kernels, the default), "compiled" (torch.compile of the torch ops),
 "eager" (torch ops); CUDA: "triton" (the kernels) and "eager". Encode is the whole encode (range pass, statistics,
-codes); decode the whole decode, into a fresh output as a user gets it. GB/s counts the fp32 input bytes once. Prints a table and one JSON line whose `copy_gbps`
+codes) into fresh outputs. Decode is measured two ways: into an existing buffer (`decode(..., out=)`, as LynxCache
+upgrades the anchor tier to the full tier in place, and as `copy_` writes into an existing dst: the like-for-like
+ratio) and into a fresh tensor (which adds the kernel's page faults for new memory: "fresh" columns). GB/s counts the fp32 input bytes once. Prints a table and one JSON line whose `copy_gbps`
 and `paths` are those of the headline size (the whole KV of a 4K-token prompt of the default model, 189 MB); `sizes`
 has every size."""
 from __future__ import annotations
@@ -12,6 +14,7 @@ import statistics
 import time
 
 import torch
+from tqdm import tqdm
 
 from lynx_hf import LynxQuantConfig
 from lynx_hf.quant import dispatch, lynx
@@ -32,13 +35,14 @@ def _median(fn, reps: int, sync) -> float:
 
 
 def _paths(device: str):
-    """name → (encode(x) -> SplitKV, decode(split, tier) -> Tensor), each through one implementation."""
+    """name → (encode(x) -> SplitKV, decode(split, tier, out=None) -> Tensor), each through one implementation."""
     cfg = LynxQuantConfig()
     names = ("triton", "eager") if device == "cuda" else ("c", "compiled", "eager")
     out = {}
     for name in names:
         k = lynx.REFERENCE if name == "eager" else dispatch.kernels(torch.device(device), 1 << 30, name)
-        out[name] = (lambda x, k=k: lynx.encode(x, cfg, "key", k), lambda s, t, k=k: lynx.decode(s, t, k))
+        out[name] = (lambda x, k=k: lynx.encode(x, cfg, "key", k),
+                     lambda s, t, o=None, k=k: lynx.decode(s, t, k, out=o))
     return out
 
 
@@ -53,10 +57,13 @@ def measure(tokens: int, device: str = "cpu", heads: int = 3, layers: int = 30, 
            "paths": {}}
     for name, (enc, dec) in _paths(device).items():
         split = enc(x)
+        gbps = lambda fn: nbytes / _median(fn, reps, sync) / 1e9
         row["paths"][name] = {
-            "encode_gbps": nbytes / _median(lambda: enc(x), reps, sync) / 1e9,
-            "decode_anchor_gbps": nbytes / _median(lambda: dec(split, "anchor"), reps, sync) / 1e9,
-            "decode_full_gbps": nbytes / _median(lambda: dec(split, "full"), reps, sync) / 1e9}
+            "encode_gbps": gbps(lambda: enc(x)),
+            "decode_anchor_gbps": gbps(lambda: dec(split, "anchor", dst)),
+            "decode_full_gbps": gbps(lambda: dec(split, "full", dst)),
+            "decode_anchor_fresh_gbps": gbps(lambda: dec(split, "anchor")),
+            "decode_full_fresh_gbps": gbps(lambda: dec(split, "full"))}
     return row
 
 
@@ -66,14 +73,15 @@ def run(tokens: int = HEADLINE_TOKENS, as_json: bool = False, device: str = "cpu
     sizes = sorted({t for t in (32, 256, 2048, tokens, 16384, 24576) if t * 2 * 3 * 30 * 64 * 4 / 1e6 <= max_mb}
                    | {tokens})
     say(f"device {device}, threads {torch.get_num_threads()}; GB/s of fp32 input (median of {reps}); % of copy_")
-    say(f"{'MB':>8s} {'copy_':>7s}  {'path':9s} {'encode':>13s} {'dec anchor':>13s} {'dec full':>13s}")
+    cols = (("encode_gbps", "encode"), ("decode_anchor_gbps", "dec anchor"), ("decode_full_gbps", "dec full"),
+            ("decode_anchor_fresh_gbps", "anchor fresh"), ("decode_full_fresh_gbps", "full fresh"))
+    say(f"{'MB':>8s} {'copy_':>7s}  {'path':9s} " + " ".join(f"{c:>13s}" for _, c in cols))
     rows = {}
-    for t in sizes:
+    for t in tqdm(sizes, desc="sizes", disable=as_json, leave=False):
         r = rows[t] = measure(t, device, reps=reps)
         for name, v in r["paths"].items():
-            pct = lambda k: f"{v[k]:6.2f} ({100 * v[k] / r['copy_gbps']:3.0f}%)"
-            say(f"{r['mb']:8.1f} {r['copy_gbps']:7.2f}  {name:9s} {pct('encode_gbps')} {pct('decode_anchor_gbps')} "
-                f"{pct('decode_full_gbps')}")
+            say(f"{r['mb']:8.1f} {r['copy_gbps']:7.2f}  {name:9s} " +
+                " ".join(f"{v[k]:6.2f} ({100 * v[k] / r['copy_gbps']:3.0f}%)" for k, _ in cols))
     head = rows[tokens]
     out = {"copy_gbps": head["copy_gbps"], "paths": head["paths"], "bytes": int(head["mb"] * 1e6), "device": device,
            "sizes": {str(r["tokens"]): r for r in rows.values()}}

@@ -401,11 +401,12 @@ void lynx_encode_rows(const void *x, int dtype, int64_t S, int64_t D,
 }
 
 /* decode_codes twin for rows [r0, r1): x̂ = γ_min + γ_scale·(μ + σ·LUT[code]), code = anchor nibble (residual
- * NULL, 16-entry lut) or 16·anchor + residual (256-entry lut); out in out_dtype. */
+ * NULL, 16-entry lut) or 16·anchor + residual (256-entry lut); out in out_dtype, row (bh, s) at element
+ * bh·out_bh_stride + s·D (a slice of a longer buffer along S, or contiguous with out_bh_stride = S·D). */
 void lynx_decode_rows(const uint8_t *anchor, const uint8_t *residual, const f16 *gmin, const f16 *gscale,
                       int64_t NP, int64_t page, const void *mu, const void *rho, int stat_u8, int token_axis,
                       int64_t chunk, const float *lut, int64_t S, int64_t D, int out_dtype, void *out,
-                      int64_t r0, int64_t r1) {
+                      int64_t out_bh_stride, int64_t r0, int64_t r1) {
     int32_t code[LYNX_MAX_D];
     float xn[LYNX_MAX_D];
     const float k = stat_u8 ? (float)(1.0 / 255) : 1.0f;
@@ -421,6 +422,7 @@ void lynx_decode_rows(const uint8_t *anchor, const uint8_t *residual, const f16 
             __m512 mt = _mm512_setzero_ps(), qt = mt;
             if (token_axis) { mt = _mm512_set1_ps(stat(mu, stat_u8, r, k)); qt = _mm512_set1_ps(stat(rho, stat_u8, r, k)); }
             const int64_t cs = (bh * NC + s / chunk) * D, ps = gmin ? (bh * NP + s / page) * D : 0;
+            const int64_t o = bh * out_bh_stride + s * D;
             for (int64_t d = 0; d < D; d += 16) {
                 const int64_t off = r * (D / 2) + d / 2;
                 __m512i c = _mm512_and_si512(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_shuffle_epi8(
@@ -448,15 +450,15 @@ void lynx_decode_rows(const uint8_t *anchor, const uint8_t *residual, const f16 
                     xn = _mm512_add_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gmin + ps + d))),
                                        _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gscale + ps + d))), xn));
                 if (out_dtype == 0) {
-                    _mm512_storeu_ps((float *)out + r * D + d, xn);
+                    _mm512_storeu_ps((float *)out + o + d, xn);
                 } else if (out_dtype == 1) {
-                    _mm256_storeu_si256((__m256i *)((uint16_t *)out + r * D + d),
+                    _mm256_storeu_si256((__m256i *)((uint16_t *)out + o + d),
                                         _mm512_cvtps_ph(xn, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
                 } else {  /* bf16, round to nearest even (NaN cannot occur: codes and stats are finite) */
                     __m512i b = _mm512_castps_si512(xn);
                     b = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
                                          _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1))));
-                    _mm256_storeu_si256((__m256i *)((uint16_t *)out + r * D + d),
+                    _mm256_storeu_si256((__m256i *)((uint16_t *)out + o + d),
                                         _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)));
                 }
             }
@@ -467,6 +469,7 @@ void lynx_decode_rows(const uint8_t *anchor, const uint8_t *residual, const f16 
 #endif
     for (int64_t r = r0; r < r1; r++) {
         int64_t bh = r / S, s = r % S;
+        const int64_t o = bh * out_bh_stride + s * D;
         const uint8_t *a = anchor + r * (D / 2);
         if (residual) {
             const uint8_t *q = residual + r * (D / 2);
@@ -495,13 +498,13 @@ void lynx_decode_rows(const uint8_t *anchor, const uint8_t *residual, const f16 
             for (int64_t d = 0; d < D; d++) xn[d] = (float)gmin[p + d] + (float)gscale[p + d] * xn[d];
         }
         if (out_dtype == 0) {
-            memcpy((float *)out + r * D, xn, (size_t)D * 4);
+            memcpy((float *)out + o, xn, (size_t)D * 4);
         } else if (out_dtype == 1) {
-            f16 *o = (f16 *)out + r * D;
-            for (int64_t d = 0; d < D; d++) o[d] = (f16)xn[d];
+            f16 *h = (f16 *)out + o;
+            for (int64_t d = 0; d < D; d++) h[d] = (f16)xn[d];
         } else {
-            uint16_t *o = (uint16_t *)out + r * D;
-            for (int64_t d = 0; d < D; d++) o[d] = f32_to_bf16(xn[d]);
+            uint16_t *h = (uint16_t *)out + o;
+            for (int64_t d = 0; d < D; d++) h[d] = f32_to_bf16(xn[d]);
         }
     }
 }

@@ -40,7 +40,7 @@ _SIGNATURES = {
     "lynx_encode_rows": [_p, _int, _i64, _i64, _p, _p, _i64, _i64, _p, _p, _int, _int, _i64, _i64, _p, _i64, _int,
                          _f32, _f32, _p, _int, _p, _i64, _f32, _f32, _p, _p, _i64, _i64],
     "lynx_decode_rows": [_p, _p, _p, _p, _i64, _i64, _p, _p, _int, _int, _i64, _p, _i64, _i64, _int, _p, _i64,
-                         _i64],
+                         _i64, _i64],
 }
 _state: dict = {}
 
@@ -244,13 +244,24 @@ def encode_codes_cpu(x, gmin, gscale, mu, rho, thr, *, axis: str, page: int, chu
 
 
 def decode_codes_cpu(anchor, residual, gmin, gscale, mu, rho, lut, *, axis: str, page: int, chunk: int,
-                     out_dtype: torch.dtype) -> torch.Tensor:
-    """Same contract as lynx_hf.quant.lynx.decode_codes."""
+                     out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as lynx_hf.quant.lynx.decode_codes; a given `out` whose rows are contiguous (a slice of a
+    cache's [B, H, T, D] buffer along T, say) is written in place, any other through a copy."""
     B, H, S, HD = anchor.shape
     D = 2 * HD
     if out_dtype not in DTYPE_CODE or D > MAX_D:
         raise ValueError(f"decode_codes_cpu: unsupported out_dtype {out_dtype} or head_dim {D}")
-    out = _empty((B, H, S, D), out_dtype)
+    if out is not None:
+        from lynx_hf.quant.lynx import _check_out
+
+        _check_out(out, anchor, out_dtype)
+        st = out.stride()
+        if not (st[3] == 1 and st[2] == D and (B == 1 or st[0] == H * st[1])):
+            return out.copy_(decode_codes_cpu(anchor, residual, gmin, gscale, mu, rho, lut, axis=axis, page=page,
+                                              chunk=chunk, out_dtype=out_dtype))
+        dst, bh_stride = out, st[1]
+    else:
+        dst, bh_stride = _empty((B, H, S, D), out_dtype), S * D
     anchor = anchor.contiguous()
     residual = None if residual is None else residual.contiguous()
     gmin_c, gscale_c = (None, None) if gmin is None else (gmin.contiguous(), gscale.contiguous())
@@ -260,5 +271,5 @@ def decode_codes_cpu(anchor, residual, gmin, gscale, mu, rho, lut, *, axis: str,
     _parallel(lambda a, b: lib.lynx_decode_rows(
         anchor.data_ptr(), _ptr(residual), _ptr(gmin_c), _ptr(gscale_c), NP, page, mu.data_ptr(), rho.data_ptr(),
         int(mu.dtype == torch.uint8), int(axis == "token"), chunk, lut.data_ptr(), S, D, DTYPE_CODE[out_dtype],
-        out.data_ptr(), a, b), B * H * S, MIN_ROWS_PER_THREAD)
-    return out
+        dst.data_ptr(), bh_stride, a, b), B * H * S, MIN_ROWS_PER_THREAD)
+    return dst

@@ -41,8 +41,11 @@ def _decode_kernel(a_ptr, r_ptr, gmin_ptr, gscale_ptr, mu_ptr, rho_ptr, lut_ptr,
 
 
 def decode_codes_triton(anchor, residual, gmin, gscale, mu, rho, lut, *, axis: str, page: int, chunk: int,
-                        out_dtype: torch.dtype):
-    """Same contract as lynx_hf.quant.lynx.decode_codes."""
+                        out_dtype: torch.dtype, out: torch.Tensor | None = None):
+    """Same contract as lynx_hf.quant.lynx.decode_codes (a given `out` receives a copy of the result)."""
+    if out is not None:
+        return out.copy_(decode_codes_triton(anchor, residual, gmin, gscale, mu, rho, lut, axis=axis, page=page,
+                                             chunk=chunk, out_dtype=out_dtype))
     B, H, S, HD = anchor.shape
     D = 2 * HD
     out = torch.empty(B, H, S, D, dtype=out_dtype, device=anchor.device)

@@ -125,7 +125,17 @@ class LynxLayer(CacheLayerMixin):
         return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
 
     def set_tier(self, tier: str, dtype: torch.dtype, device) -> None:
-        """(Re)materialise the prompt region at `tier`, in place when the buffers exist."""
+        """(Re)materialise the prompt region at `tier`, in place when the buffers exist: each segment decodes
+        straight into its slice of keys / values when dtype and device agree (no second copy of the prompt KV)."""
+        if self.is_initialized and all(seg.dtype == self.keys.dtype == dtype and seg.anchor.device == self.keys.device
+                                       for kind in KINDS for seg in self.segments[kind].values()):
+            for kind, buf in (("key", self.keys), ("value", self.values)):
+                for s0 in self._starts[kind]:
+                    seg = self.segments[kind][s0]
+                    a = s0 - self.offset
+                    decode(seg, tier, out=buf[:, :, a: a + seg.shape[2]])
+            self.tier = tier
+            return
         k = self._dequant("key", tier).to(device=device, dtype=dtype)    # k: [B, H_kv, held, D]
         v = self._dequant("value", tier).to(device=device, dtype=dtype)
         if not self.is_initialized:

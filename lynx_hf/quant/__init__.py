@@ -27,7 +27,7 @@ class Codec:
     split: True when the code has a separate residual stream (anchor first, residual later); baselines ship whole."""
 
     encode: Callable[[torch.Tensor, LynxQuantConfig, str, bool], SplitKV]
-    decode: Callable[[SplitKV, str, bool], torch.Tensor]
+    decode: Callable[[SplitKV, str, bool, "torch.Tensor | None"], torch.Tensor]
     split: bool
 
 
@@ -44,13 +44,13 @@ def _lynx_encode(x, config, kind, reference):
     return lynx.encode(x, config, kind, kernels(x.device, x.numel()))
 
 
-def _lynx_decode(split, tier, reference):
+def _lynx_decode(split, tier, reference, out=None):
     from .dispatch import kernels
 
     if tier == "full" and split.residual is None:
         raise ValueError("decode: the full tier needs the residual stream, which this SplitKV lacks")
     return lynx.decode(split, tier, lynx.REFERENCE if reference else kernels(split.anchor.device,
-                                                                             split.anchor.numel() * 2))
+                                                                             split.anchor.numel() * 2), out)
 
 
 def _baseline(enc, dec) -> Codec:
@@ -58,7 +58,11 @@ def _baseline(enc, dec) -> Codec:
         _finite(x)
         return enc(x, config, kind)
 
-    return Codec(encode_, lambda split, tier, reference: dec(split), split=False)
+    def decode_(split, tier, reference, out=None):
+        x = dec(split)
+        return x if out is None else out.copy_(x)
+
+    return Codec(encode_, decode_, split=False)
 
 
 _LYNX = Codec(_lynx_encode, _lynx_decode, split=True)
@@ -96,10 +100,16 @@ def encode(x: torch.Tensor, config: LynxQuantConfig | None = None, kind: str = "
     return codec(config).encode(x, config, kind, reference)
 
 
-def decode(split: SplitKV, tier: str = "full", *, reference: bool = False) -> torch.Tensor:
-    """Reconstruct [B, H, S, D] in the input's dtype from the anchor alone ("anchor") or both streams ("full")."""
+def decode(split: SplitKV, tier: str = "full", *, reference: bool = False,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Reconstruct [B, H, S, D] in the input's dtype from the anchor alone ("anchor") or both streams ("full"),
+    into `out` when given (that shape and dtype, on the codes' device; any strides, e.g. a slice of a cache)."""
     if not isinstance(split, SplitKV):
         raise ValueError(f"decode: expected a SplitKV, got {type(split).__name__}")
     if tier not in TIERS:
         raise ValueError(f"decode: tier must be one of {TIERS}, got {tier!r}")
-    return codec(split.config).decode(split, tier, reference)
+    if out is not None and (tuple(out.shape) != tuple(split.shape) or out.dtype != split.dtype
+                            or out.device != split.anchor.device):
+        raise ValueError(f"decode: out must be {tuple(split.shape)} {split.dtype} on {split.anchor.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    return codec(split.config).decode(split, tier, reference, out)

@@ -189,9 +189,14 @@ def encode_codes(x, gmin, gscale, mu, rho, thr, *, axis: str, page: int, chunk: 
 
 
 def decode_codes(anchor, residual, gmin, gscale, mu, rho, lut, *, axis: str, page: int, chunk: int,
-                 out_dtype: torch.dtype) -> torch.Tensor:
+                 out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """Unpack, look up and de-normalise. residual None → anchor tier (lut is the 16-entry anchor table),
-    else full tier (lut is the 256-entry table). Returns [B, H, S, D] in out_dtype. Blocks of heads, as encode."""
+    else full tier (lut is the 256-entry table). Returns [B, H, S, D] in out_dtype, written into `out` when given
+    (a tensor of that shape and dtype, any strides: e.g. a slice of a cache's KV buffer). Blocks of heads, as encode."""
+    if out is not None:
+        _check_out(out, anchor, out_dtype)
+        return out.copy_(decode_codes(anchor, residual, gmin, gscale, mu, rho, lut, axis=axis, page=page,
+                                      chunk=chunk, out_dtype=out_dtype))
     B, H, S, HD = anchor.shape
     blocks = _head_blocks(H, B * S * HD * 2)
     if blocks:
@@ -207,6 +212,13 @@ def decode_codes(anchor, residual, gmin, gscale, mu, rho, lut, *, axis: str, pag
     if gmin is None:
         return xn.to(out_dtype)
     return (_page_view(gmin, S, page) + _page_view(gscale, S, page) * xn).to(out_dtype)
+
+
+def _check_out(out: torch.Tensor, anchor: torch.Tensor, out_dtype: torch.dtype) -> None:
+    want = (*anchor.shape[:3], 2 * anchor.shape[3])
+    if tuple(out.shape) != want or out.dtype != out_dtype or out.device != anchor.device:
+        raise ValueError(f"decode: out must be {want} {out_dtype} on {anchor.device}, got {tuple(out.shape)} "
+                         f"{out.dtype} on {out.device}")
 
 
 def check_ranges(lo: torch.Tensor, hi: torch.Tensor) -> None:
@@ -281,10 +293,11 @@ def encode(x: torch.Tensor, config: LynxQuantConfig, kind: str, kernels: Kernels
     return SplitKV(config, kind, tuple(x.shape), x.dtype, anchor, residual, meta, axis)
 
 
-def decode(split: SplitKV, tier: str, kernels: Kernels = REFERENCE) -> torch.Tensor:
+def decode(split: SplitKV, tier: str, kernels: Kernels = REFERENCE, out: torch.Tensor | None = None) -> torch.Tensor:
     cfg = split.config
     _, full, anc = tables(cfg.method, float(cfg.alpha), cfg.anchor)
     m = split.meta
     res, lut = (split.residual, full) if tier == "full" else (None, anc)
     return kernels.decode_codes(split.anchor, res, m.get("gamma_min"), m.get("gamma_scale"), m["mu"], m["sigma"],
-                                lut, axis=split.axis, page=cfg.page_size, chunk=cfg.chunk_size, out_dtype=split.dtype)
+                                lut, axis=split.axis, page=cfg.page_size, chunk=cfg.chunk_size, out_dtype=split.dtype,
+                                out=out)
