@@ -24,6 +24,11 @@ def _bench(a):
 
     if a.what == "codec":
         bench_codec.run(tokens=a.tokens, as_json=a.json, device=a.device, max_mb=a.max_mb, reps=a.reps)
+    else:
+        from lynx_hf.eval import bench_transfer
+
+        bench_transfer.run(links_mbps=a.links, contexts=a.contexts, prompts=a.prompts, new_tokens=a.new_tokens,
+                           out=a.out, as_json=a.json, model_name=a.model)
 
 
 def _demo(a):
@@ -85,11 +90,18 @@ def main(argv=None):
     q.set_defaults(fn=_codec_quality)
 
     b = sub.add_parser("bench", help="benchmarks that print numbers and a final JSON line")
-    b.add_argument("what", choices=["codec"])
-    b.add_argument("--tokens", type=int, default=4096, help="headline size: the KV of this many tokens")
-    b.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    b.add_argument("--max-mb", type=float, default=1200, help="largest tensor of the size sweep")
-    b.add_argument("--reps", type=int, default=5)
+    b.add_argument("what", choices=["codec", "transfer"])
+    b.add_argument("--tokens", type=int, default=4096, help="codec: headline size, the KV of this many tokens")
+    b.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="codec")
+    b.add_argument("--max-mb", type=float, default=1200, help="codec: largest tensor of the size sweep")
+    b.add_argument("--reps", type=int, default=5, help="codec")
+    b.add_argument("--links", type=float, nargs="+", default=[50, 200, 1000, 10000], help="transfer: Mbit/s")
+    b.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192], help="transfer: prompt tokens")
+    b.add_argument("--prompts", nargs="+", default=["code", "shakespeare"],
+                   help="transfer: 'code' (stdlib source), 'shakespeare' (shared data) or text files")
+    b.add_argument("--new-tokens", type=int, default=32, help="transfer")
+    b.add_argument("--out", default="runs/bench_transfer", help="transfer: results folder (resumable JSONL)")
+    b.add_argument("--model", help="transfer: Hub id or local path (default: embedded SmolLM2-135M-Instruct)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(fn=_bench)
 

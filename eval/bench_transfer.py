@@ -1,0 +1,266 @@
+"""`lynx-hf bench transfer`: the disaggregated path swept over link bandwidth × context length × prompt text.
+
+Per link speed a `lynx-hf serve-prefill` child process runs behind the link emulator and this process decodes, as in
+the demo, for BF16, INT8, INT4 (KIVI-4), Lynx and Lynx without drafts (the full-tier reference: what drafting adds).
+Per request: TTFT (first token, from the prefill's logits), TTFT verified, TT32T (32 verified tokens), drafted /
+accepted tokens, bytes on the wire, and the decode process's peak resident memory above its level at the request
+(sampled every 5 ms) next to the cache's documented bound (lynx_hf/cache.py: encoded streams + one dequantized
+prompt + tail; the forward pass's activations come on top). Every result is appended to a JSONL file as it
+completes (`--out`), so an interrupted sweep resumes where it stopped; a progress bar counts requests.
+
+Crossovers, interpolated in log link speed between measured points (per prompt and context): the link speed from
+which Lynx's TT32T stops being at least 5 % below INT8's, and from which drafting stops paying (Lynx at least 5 %
+below Lynx without drafts). Prints tables, writes a PNG (TT32T and TTFT against link speed, one panel per context)
+and ends with one JSON line."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+import lynx_hf
+from lynx_hf import LynxQuantConfig
+from lynx_hf.transfer.decode import DecodeClient
+
+from .demo import METHODS, _free_port, _start_server, default_prompt_text
+
+LINKS_MBPS = (50, 200, 1000, 10000)
+CONTEXTS = (512, 2048, 8192)
+NO_DRAFTS = "Lynx (no drafts)"
+PLAN = [(name, cfg, True) for name, cfg in METHODS.items()] + [(NO_DRAFTS, METHODS["Lynx"], False)]
+GAIN = 0.05  # "beats" = at least 5 % faster
+
+
+def prompt_texts(names) -> dict[str, str]:
+    """"code": the standard library's source (every Python has it); "shakespeare": the shared text."""
+    out = {}
+    for n in names:
+        if n == "code":
+            out[n] = default_prompt_text()
+        elif n == "shakespeare":
+            from .data import shakespeare
+
+            out[n] = shakespeare().read_text()
+        else:
+            out[n] = Path(n).read_text(encoding="utf-8", errors="replace")
+    return out
+
+
+class PeakRSS:
+    """Peak resident set size of this process above its level at start, sampled every `period` seconds."""
+
+    def __init__(self, period: float = 0.005):
+        self.period, self.peak, self._stop = period, 0, threading.Event()
+
+    @staticmethod
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def __enter__(self):
+        self.base = self.peak = self.rss()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(self.period):
+            self.peak = max(self.peak, self.rss())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, self.rss())
+
+    @property
+    def delta(self) -> int:
+        return self.peak - self.base
+
+
+def _key(r: dict) -> tuple:
+    return r["link_mbps"], r["prompt"], r["context"], r["method"]
+
+
+def _load(path: Path) -> dict:
+    done = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                done[_key(r)] = r
+    return done
+
+
+def _crossover(points: list[tuple[float, float]]) -> float | None:
+    """points: (link Mbit/s, ratio) sorted by link. Where the ratio last rises from below 1 − GAIN to at or above
+    it, interpolated in log link speed: the link speed up to which the faster method keeps its ≥ GAIN lead. None if
+    it never leads; inf if it still leads at the fastest link of the sweep."""
+    lead = [i for i, (_, r) in enumerate(points) if r < 1 - GAIN]
+    if not lead:
+        return None
+    i = lead[-1]
+    if i == len(points) - 1:
+        return math.inf
+    (b0, r0), (b1, r1) = points[i], points[i + 1]
+    f = (1 - GAIN - r0) / (r1 - r0)
+    return math.exp(math.log(b0) + f * (math.log(b1) - math.log(b0)))
+
+
+def crossovers(rows: list[dict]) -> dict:
+    by = {}
+    for r in rows:
+        by.setdefault((r["prompt"], r["context"]), {}).setdefault(r["link_mbps"], {})[r["method"]] = r
+    out = {}
+    for (prompt, ctx), links in sorted(by.items()):
+        pts = sorted(links.items())
+        ratio = lambda a, b: [(l, m[a]["tt32t_s"] / m[b]["tt32t_s"]) for l, m in pts if a in m and b in m]
+        out[f"{prompt}@{ctx}"] = {"lynx_beats_int8_below_mbps": _crossover(ratio("Lynx", "INT8")),
+                                  "drafting_pays_below_mbps": _crossover(ratio("Lynx", NO_DRAFTS))}
+    return out
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ctxs, prompts = sorted({r["context"] for r in rows}), sorted({r["prompt"] for r in rows})
+    fig, axes = plt.subplots(2, len(ctxs), figsize=(4.6 * len(ctxs), 7), squeeze=False)
+    for j, ctx in enumerate(ctxs):
+        for i, metric in enumerate(("tt32t_s", "ttft_s")):
+            ax = axes[i][j]
+            for name, _, _ in PLAN:
+                for prompt, style in zip(prompts, ("-", "--", ":")):
+                    pts = sorted((r["link_mbps"], r[metric]) for r in rows
+                                 if r["context"] == ctx and r["method"] == name and r["prompt"] == prompt)
+                    if pts:
+                        ax.plot(*zip(*pts), style, marker="o", ms=3, label=f"{name} ({prompt})")
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_title(f"{ctx} tokens: {'time to 32 verified tokens' if i == 0 else 'time to first token'}")
+            ax.set_xlabel("link Mbit/s")
+            ax.set_ylabel("seconds")
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def cache_bound_bytes(model, prompt_tokens: int, tail_tokens: int, wire_bytes: int) -> int:
+    """The bound lynx_hf/cache.py documents for the cache during decoding: the encoded streams (codes + metadata,
+    = the bytes on the wire), one dequantized prompt in the model dtype (K and V), and the decode-side tail."""
+    c = model.config
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * hd * next(model.parameters()).element_size()
+    return wire_bytes + (prompt_tokens + tail_tokens) * per_token
+
+
+def _request(cli: DecodeClient, ids: list[int], cfg, spec: bool, new_tokens: int) -> tuple[dict, PeakRSS]:
+    with PeakRSS() as mem:
+        r = cli.generate(ids, cfg, max_new_tokens=new_tokens, speculative=spec)
+    return r, mem
+
+
+def run(links_mbps=LINKS_MBPS, contexts=CONTEXTS, prompts=("code", "shakespeare"), new_tokens=32,
+        out="runs/bench_transfer", as_json=False, model_name=None) -> dict:
+    say = (lambda *a: None) if as_json else print
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = out / "bench_transfer.jsonl"
+    done = _load(results)
+    model, tok = lynx_hf.load_default_model(model_name)
+    max_ctx = getattr(model.config, "max_position_embeddings", 1 << 30) - new_tokens
+    texts = prompt_texts(prompts)
+    ids = {p: tok(t[: 8 * max(contexts)]).input_ids for p, t in texts.items()}
+    for p, v in ids.items():
+        if len(v) < min(max(contexts), max_ctx):
+            raise ValueError(f"prompt {p!r} has only {len(v)} tokens, fewer than the longest context")
+    todo = [(l, p, c, m) for l in links_mbps for p in texts for c in contexts for m, _, _ in PLAN
+            if (l, p, c, m) not in done]
+    say(f"{len(done)} results in {results}; {len(todo)} requests to go")
+    bar = tqdm(total=len(todo), desc="requests", disable=as_json)
+    for link in links_mbps:
+        if not any(k[0] == link for k in todo):
+            continue
+        secret, port = secrets.token_hex(16), _free_port()
+        proc = _start_server(port, link * 1e6, secret, model_name)
+        try:
+            cli = DecodeClient(model, "127.0.0.1", port, secret=secret, timeout_s=600)
+            cli.generate(ids[next(iter(ids))][:64], LynxQuantConfig(), max_new_tokens=2)  # warm-up, both sides
+            for prompt in texts:
+                for ctx in contexts:
+                    n = min(ctx, max_ctx)
+                    for name, cfg, spec in PLAN:
+                        if (link, prompt, ctx, name) in done:
+                            continue
+                        r, mem = _request(cli, ids[prompt][:n], cfg, spec, new_tokens)
+                        st = r["stats"]
+                        row = {"link_mbps": link, "prompt": prompt, "context": ctx, "prompt_tokens": n,
+                               "method": name, **{k: r[k] for k in ("ttft_s", "ttft_verified_s", "tt32t_s", "bytes",
+                                                                     "prefill_s")},
+                               "drafted": st.get("drafted", 0), "accepted": st.get("accepted", 0),
+                               "peak_rss_mb": mem.delta / 1e6, "tokens": r["tokens"],
+                               # tail: the generated tokens and at most one verify pass's tree nodes
+                               "cache_bound_mb": cache_bound_bytes(model, n, new_tokens + 128, r["bytes"]) / 1e6}
+                        done[_key(row)] = row
+                        with results.open("a") as f:
+                            f.write(json.dumps(row) + "\n")
+                        bar.update(1)
+            cli.close()
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    bar.close()
+    rows = [r for k, r in done.items() if k[0] in links_mbps and k[1] in texts and k[2] in contexts]
+    for r in rows:  # Lynx's output must be the full tier's, token for token
+        ref = done.get((r["link_mbps"], r["prompt"], r["context"], NO_DRAFTS))
+        r["identical_to_full"] = None if ref is None else r["tokens"] == ref["tokens"]
+    for prompt in texts:
+        for ctx in contexts:
+            say(f"\n{prompt}, {ctx} tokens: TTFT / TTFT verified / TT32T (s), MB on the wire, accepted/drafted")
+            say(f"{'link Mbit/s':>11s}  " + "  ".join(f"{n[:16]:>26s}" for n, _, _ in PLAN))
+            for link in links_mbps:
+                cells = []
+                for name, _, _ in PLAN:
+                    r = done.get((link, prompt, ctx, name))
+                    cells.append("-" if r is None else f"{r['ttft_s']:.2f}/{r['ttft_verified_s']:.2f}/"
+                                 f"{r['tt32t_s']:.2f} {r['bytes'] / 1e6:.1f}MB")
+                say(f"{link:11.0f}  " + "  ".join(f"{c:>26s}" for c in cells))
+    cross = crossovers(rows)
+    say("\ncrossovers (link Mbit/s; inf: beyond the sweep, None: never ahead):")
+    for k, v in cross.items():
+        say(f"  {k}: Lynx beats INT8 below {v['lynx_beats_int8_below_mbps']}, drafting pays below "
+            f"{v['drafting_pays_below_mbps']}")
+    lynx_rows = [r for r in rows if r["method"] == "Lynx"]
+    summary = {
+        "results": str(results), "requests": len(rows),
+        "lynx_identical_to_full": all(r["identical_to_full"] for r in lynx_rows if r["identical_to_full"] is not None),
+        "accepted_mean": sum(r["accepted"] for r in lynx_rows) / max(1, len(lynx_rows)),
+        "crossovers": cross,
+        "tt32t_s": {f"{r['prompt']}@{r['context']}@{r['link_mbps']:g}": {
+            n: done[(r["link_mbps"], r["prompt"], r["context"], n)]["tt32t_s"] for n, _, _ in PLAN
+            if (r["link_mbps"], r["prompt"], r["context"], n) in done} for r in lynx_rows},
+        "peak_rss_mb": {f"{r['prompt']}@{r['context']}@{r['link_mbps']:g}": {
+            n: round(done[(r["link_mbps"], r["prompt"], r["context"], n)]["peak_rss_mb"], 1) for n, _, _ in PLAN
+            if (r["link_mbps"], r["prompt"], r["context"], n) in done} for r in lynx_rows},
+    }
+    try:
+        plot(rows, out / "bench_transfer.png")
+        summary["plot"] = str(out / "bench_transfer.png")
+        say(f"wrote {out / 'bench_transfer.png'}")
+    except ImportError:
+        say("install matplotlib for the PNG")
+    print(json.dumps(summary))
+    return summary
