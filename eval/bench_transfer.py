@@ -8,28 +8,24 @@ accepted tokens, bytes on the wire, and the decode process's peak resident memor
 prompt + tail; the forward pass's activations come on top). Every result is appended to a JSONL file as it
 completes (`--out`), so an interrupted sweep resumes where it stopped; a progress bar counts requests.
 
-Crossovers, interpolated in log link speed between measured points (per prompt and context): the link speed from
-which Lynx's TT32T stops being at least 5 % below INT8's, and from which drafting stops paying (Lynx at least 5 %
-below Lynx without drafts). Prints tables, writes a PNG (TT32T and TTFT against link speed, one panel per context)
+Crossovers, interpolated in log link speed between measured points (per prompt and context): the link speed up to
+which Lynx's TT32T stays at least 5 % below INT8's from the slowest link up, and up to which drafting pays (Lynx at
+least 5 % below Lynx without drafts), and the same for TTFT (Lynx against INT8). Prints tables, writes a PNG (TT32T and TTFT against link speed, one panel per context)
 and ends with one JSON line."""
 from __future__ import annotations
 
 import json
 import math
 import os
-import secrets
-import subprocess
 import threading
-import time
 from pathlib import Path
 
 from tqdm import tqdm
 
 import lynx_hf
-from lynx_hf import LynxQuantConfig
 from lynx_hf.transfer.decode import DecodeClient
 
-from .demo import METHODS, _free_port, _start_server, default_prompt_text
+from .demo import METHODS, default_prompt_text, prefill_child
 
 LINKS_MBPS = (50, 200, 1000, 10000)
 CONTEXTS = (512, 2048, 8192)
@@ -99,18 +95,17 @@ def _load(path: Path) -> dict:
 
 
 def _crossover(points: list[tuple[float, float]]) -> float | None:
-    """points: (link Mbit/s, ratio) sorted by link. Where the ratio last rises from below 1 − GAIN to at or above
-    it, interpolated in log link speed: the link speed up to which the faster method keeps its ≥ GAIN lead. None if
-    it never leads; inf if it still leads at the fastest link of the sweep."""
-    lead = [i for i, (_, r) in enumerate(points) if r < 1 - GAIN]
-    if not lead:
+    """points: (link Mbit/s, ratio) sorted by link. The link speed up to which the method keeps a lead of at least
+    GAIN from the slowest link up: where the ratio first rises to 1 − GAIN or above, interpolated in log link speed.
+    None when it does not lead at the slowest link (a lead that appears only further up is noise here: faster links
+    only shorten every method's transfer); inf when it leads across the whole sweep."""
+    if not points or points[0][1] >= 1 - GAIN:
         return None
-    i = lead[-1]
-    if i == len(points) - 1:
-        return math.inf
-    (b0, r0), (b1, r1) = points[i], points[i + 1]
-    f = (1 - GAIN - r0) / (r1 - r0)
-    return math.exp(math.log(b0) + f * (math.log(b1) - math.log(b0)))
+    for (b0, r0), (b1, r1) in zip(points, points[1:]):
+        if r1 >= 1 - GAIN:
+            f = (1 - GAIN - r0) / (r1 - r0)
+            return math.exp(math.log(b0) + f * (math.log(b1) - math.log(b0)))
+    return math.inf
 
 
 def crossovers(rows: list[dict]) -> dict:
@@ -120,9 +115,10 @@ def crossovers(rows: list[dict]) -> dict:
     out = {}
     for (prompt, ctx), links in sorted(by.items()):
         pts = sorted(links.items())
-        ratio = lambda a, b: [(l, m[a]["tt32t_s"] / m[b]["tt32t_s"]) for l, m in pts if a in m and b in m]
+        ratio = lambda a, b, k="tt32t_s": [(l, m[a][k] / m[b][k]) for l, m in pts if a in m and b in m]
         out[f"{prompt}@{ctx}"] = {"lynx_beats_int8_below_mbps": _crossover(ratio("Lynx", "INT8")),
-                                  "drafting_pays_below_mbps": _crossover(ratio("Lynx", NO_DRAFTS))}
+                                  "drafting_pays_below_mbps": _crossover(ratio("Lynx", NO_DRAFTS)),
+                                  "lynx_ttft_beats_int8_below_mbps": _crossover(ratio("Lynx", "INT8", "ttft_s"))}
     return out
 
 
@@ -191,11 +187,7 @@ def run(links_mbps=LINKS_MBPS, contexts=CONTEXTS, prompts=("code", "shakespeare"
     for link in links_mbps:
         if not any(k[0] == link for k in todo):
             continue
-        secret, port = secrets.token_hex(16), _free_port()
-        proc = _start_server(port, link * 1e6, secret, model_name)
-        try:
-            cli = DecodeClient(model, "127.0.0.1", port, secret=secret, timeout_s=600)
-            cli.generate(ids[next(iter(ids))][:64], LynxQuantConfig(), max_new_tokens=2)  # warm-up, both sides
+        with prefill_child(model, link * 1e6, ids[next(iter(ids))][:64], model_name, timeout_s=600) as cli:
             for prompt in texts:
                 for ctx in contexts:
                     n = min(ctx, max_ctx)
@@ -215,13 +207,6 @@ def run(links_mbps=LINKS_MBPS, contexts=CONTEXTS, prompts=("code", "shakespeare"
                         with results.open("a") as f:
                             f.write(json.dumps(row) + "\n")
                         bar.update(1)
-            cli.close()
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
     bar.close()
     rows = [r for k, r in done.items() if k[0] in links_mbps and k[1] in texts and k[2] in contexts]
     for r in rows:  # Lynx's output must be the full tier's, token for token
@@ -239,10 +224,12 @@ def run(links_mbps=LINKS_MBPS, contexts=CONTEXTS, prompts=("code", "shakespeare"
                                  f"{r['tt32t_s']:.2f} {r['bytes'] / 1e6:.1f}MB")
                 say(f"{link:11.0f}  " + "  ".join(f"{c:>26s}" for c in cells))
     cross = crossovers(rows)
-    say("\ncrossovers (link Mbit/s; inf: beyond the sweep, None: never ahead):")
+    say("\ncrossovers: ≥ 5 % ahead from the slowest link up to (Mbit/s; inf: the whole sweep, None: not at the "
+        "slowest link)")
+    fmt = lambda v: "None" if v is None else f"{v:.0f}"
     for k, v in cross.items():
-        say(f"  {k}: Lynx beats INT8 below {v['lynx_beats_int8_below_mbps']}, drafting pays below "
-            f"{v['drafting_pays_below_mbps']}")
+        say(f"  {k:18s} TT32T Lynx < INT8 up to {fmt(v['lynx_beats_int8_below_mbps'])}, drafting pays up to "
+            f"{fmt(v['drafting_pays_below_mbps'])}, TTFT Lynx < INT8 up to {fmt(v['lynx_ttft_beats_int8_below_mbps'])}")
     lynx_rows = [r for r in rows if r["method"] == "Lynx"]
     summary = {
         "results": str(results), "requests": len(rows),

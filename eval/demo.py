@@ -8,6 +8,7 @@ is verified at once; TT32T to 32 verified tokens. Prints a table, writes JSON + 
 JSON line."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -60,6 +61,26 @@ def _start_server(port: int, bandwidth_bps: float, secret: str, model: str | Non
     raise RuntimeError("prefill server did not start within 300 s")
 
 
+@contextlib.contextmanager
+def prefill_child(model, bandwidth_bps: float, warmup_ids: list[int], model_name: str | None = None,
+                  timeout_s: float = 120):
+    """A `serve-prefill` child process behind the link emulator, and a DecodeClient connected to it and warmed up
+    (one short request through both processes); the child is stopped on exit."""
+    secret, port = secrets.token_hex(16), _free_port()
+    proc = _start_server(port, bandwidth_bps, secret, model_name)
+    try:
+        cli = DecodeClient(model, "127.0.0.1", port, secret=secret, timeout_s=timeout_s)
+        cli.generate(warmup_ids, LynxQuantConfig(), max_new_tokens=2)
+        yield cli
+        cli.close()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def _row(r: dict) -> dict:
     st = r["stats"]
     return {**{k: r[k] for k in ("ttft_s", "ttft_verified_s", "tt32t_s", "bytes")},
@@ -96,23 +117,12 @@ def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_jso
     model, tok = lynx_hf.load_default_model(model_name)
     text = open(prompt_file, encoding="utf-8", errors="replace").read() if prompt_file else default_prompt_text()
     ids = tok(text).input_ids[:tokens]
-    secret, port = secrets.token_hex(16), _free_port()
-    say(f"starting the prefill process on 127.0.0.1:{port} (link emulator {bandwidth_bps / 1e6:.1f} Mbit/s) ...")
-    proc = _start_server(port, bandwidth_bps, secret, model_name)
+    say(f"starting the prefill process (link emulator {bandwidth_bps / 1e6:.1f} Mbit/s) ...")
     runs = {}
-    try:
-        cli = DecodeClient(model, "127.0.0.1", port, secret=secret, timeout_s=120)
-        cli.generate(ids[:64], LynxQuantConfig(), max_new_tokens=2)  # warm-up of both processes
+    with prefill_child(model, bandwidth_bps, ids[:64], model_name) as cli:
         plan = [(n, c, True) for n, c in METHODS.items()] + [("Lynx (no drafts: full-tier reference)", METHODS["Lynx"], False)]
         for name, cfg, spec in tqdm(plan, desc="methods", disable=as_json):
             runs[name] = cli.generate(ids, cfg, max_new_tokens=new_tokens, speculative=spec)
-        cli.close()
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     rows = {n: _row(r) for n, r in runs.items()}
     ref = "Lynx (no drafts: full-tier reference)"
     same = runs["Lynx"]["tokens"] == runs[ref]["tokens"]

@@ -9,7 +9,7 @@ operations in the same order, -ffp-contract=off; asserted with tolerance 0 in te
   decode_codes_cpu  ≡ lynx.decode_codes   (unpack, look up, de-normalise; anchor or full tier)
 
 Build: `cc -O3 -march=native -ffp-contract=off` (CC overrides the compiler) into $LYNX_CACHE_DIR, else
-~/.cache/lynx_hf, keyed by a hash of the source, the flags and the machine; `available()` says whether it built,
+~/.cache/lynx_hf, keyed by a hash of the source, the flags and the CPU's model and features; `available()` says whether it built,
 and the reason if not (no compiler: the torch paths run instead, see quant/dispatch.py)."""
 from __future__ import annotations
 
@@ -49,13 +49,23 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("LYNX_CACHE_DIR") or Path.home() / ".cache" / "lynx_hf")
 
 
+def _cpu_id() -> str:
+    """What -march=native depends on: the CPU model and feature flags (a cache folder shared between machines
+    must not hand an AVX-512 build to a CPU without it)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "|".join(sorted({l for l in lines if l.startswith(("model name", "flags", "Features", "CPU part"))}))
+    except OSError:
+        return platform.processor()
+
+
 def _build(extra_flags: list[str] | None = None) -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not cc:
         raise RuntimeError("no C compiler found (set CC)")
     flags = FLAGS + list(extra_flags or [])
     src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join([cc, *flags, platform.machine(), platform.processor()]).encode())
+    key = hashlib.sha256(src + " ".join([cc, *flags, platform.machine(), _cpu_id()]).encode())
     out = _cache_dir() / f"codec_cpu-{key.hexdigest()[:16]}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)

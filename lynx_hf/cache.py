@@ -16,8 +16,9 @@ Two ways to decode from it:
     token is cached); the first forward waits for the residual and decodes on the full tier, no drafting.
 
 Memory bound during decode, per layer: packed codes and metadata (≈ 8.5 bits/value of the held prompt, both
-streams), one dequantized prompt in the model dtype ([B, H_kv, S_held, D] for K and for V), and the tail
-([B, H_kv, T, D] each). The cache knows nothing about sockets or sampling."""
+streams), one dequantized prompt in the model dtype ([B, H_kv, S_held, D] for K and for V; the full tier is decoded
+into the anchor tier's buffers in place), and the tail ([B, H_kv, T, D] each). The forward pass's activations come
+on top (measured against this bound in docs/performance.md). The cache knows nothing about sockets or sampling."""
 from __future__ import annotations
 
 import bisect

@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import lynx_hf
@@ -55,8 +56,36 @@ def test_local_path_through_the_same_entry_point(tmp_path, model_and_tok):
 
 def test_bench_codec_json():
     r = _run("bench", "codec", "--json", "--tokens", "32", "--max-mb", "13", "--reps", "1")
-    assert r["device"] == "cpu" and r["copy_gbps"] > 0 and set(r["paths"]) == {"eager", "compiled"}
+    assert r["device"] == "cpu" and r["copy_gbps"] > 0 and set(r["paths"]) == {"c", "eager", "compiled"}
     assert set(r["sizes"]) == {"32", "256"}
+    keys = {"encode_gbps", "decode_anchor_gbps", "decode_full_gbps", "decode_anchor_fresh_gbps",
+            "decode_full_fresh_gbps"}
     for row in r["sizes"].values():
         for v in row["paths"].values():
-            assert set(v) == {"encode_gbps", "decode_anchor_gbps", "decode_full_gbps"} and min(v.values()) > 0
+            assert set(v) == keys and min(v.values()) > 0
+
+
+def test_bench_transfer_sweep_resumes(tmp_path):
+    args = ("bench", "transfer", "--json", "--links", "50", "10000", "--contexts", "96", "--prompts", TEXT,
+            "--new-tokens", "4", "--out", str(tmp_path))
+    r = _run(*args)
+    lines = (tmp_path / "bench_transfer.jsonl").read_text().splitlines()
+    assert r["requests"] == len(lines) == 2 * 5 and r["lynx_identical_to_full"] is True
+    assert (tmp_path / "bench_transfer.png").stat().st_size > 0
+    (key,) = r["crossovers"]
+    assert key.endswith("@96") and set(r["crossovers"][key]) == {
+        "lynx_beats_int8_below_mbps", "drafting_pays_below_mbps", "lynx_ttft_beats_int8_below_mbps"}
+    by = {(x["link_mbps"], x["method"]): x for x in map(json.loads, lines)}
+    assert by[(50, "BF16")]["bytes"] > by[(50, "INT8")]["bytes"] > by[(50, "INT4 (KIVI-4)")]["bytes"]
+    assert by[(50, "BF16")]["ttft_s"] > by[(10000, "BF16")]["ttft_s"]  # 2.2 MB at 50 Mbit/s: ≥ 0.35 s on the wire
+    assert _run(*args) == r  # resumed: nothing recomputed, the same summary
+    assert len((tmp_path / "bench_transfer.jsonl").read_text().splitlines()) == 10
+
+
+def test_crossover_rule():
+    from lynx_hf.eval.bench_transfer import _crossover
+
+    assert _crossover([(50, 0.7), (200, 0.8), (1000, 1.0)]) == pytest.approx(200 * 5 ** 0.75)
+    assert _crossover([(50, 0.7), (200, 0.9)]) == float("inf")
+    assert _crossover([(50, 0.96), (200, 1.2)]) is None
+    assert _crossover([(50, 1.0), (200, 0.9)]) is None  # a lead only at fast links is not a crossover
