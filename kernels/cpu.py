@@ -262,9 +262,9 @@ def decode_codes_cpu(anchor, residual, gmin, gscale, mu, rho, lut, *, axis: str,
     if out_dtype not in DTYPE_CODE or D > MAX_D:
         raise ValueError(f"decode_codes_cpu: unsupported out_dtype {out_dtype} or head_dim {D}")
     if out is not None:
-        from lynx_hf.quant.lynx import _check_out
+        from lynx_hf.quant.lynx import check_out
 
-        _check_out(out, anchor, out_dtype)
+        check_out(out, anchor, out_dtype)
         st = out.stride()
         if not (st[3] == 1 and st[2] == D and (B == 1 or st[0] == H * st[1])):
             return out.copy_(decode_codes_cpu(anchor, residual, gmin, gscale, mu, rho, lut, axis=axis, page=page,

@@ -194,7 +194,7 @@ def decode_codes(anchor, residual, gmin, gscale, mu, rho, lut, *, axis: str, pag
     else full tier (lut is the 256-entry table). Returns [B, H, S, D] in out_dtype, written into `out` when given
     (a tensor of that shape and dtype, any strides: e.g. a slice of a cache's KV buffer). Blocks of heads, as encode."""
     if out is not None:
-        _check_out(out, anchor, out_dtype)
+        check_out(out, anchor, out_dtype)
         return out.copy_(decode_codes(anchor, residual, gmin, gscale, mu, rho, lut, axis=axis, page=page,
                                       chunk=chunk, out_dtype=out_dtype))
     B, H, S, HD = anchor.shape
@@ -214,7 +214,7 @@ def decode_codes(anchor, residual, gmin, gscale, mu, rho, lut, *, axis: str, pag
     return (_page_view(gmin, S, page) + _page_view(gscale, S, page) * xn).to(out_dtype)
 
 
-def _check_out(out: torch.Tensor, anchor: torch.Tensor, out_dtype: torch.dtype) -> None:
+def check_out(out: torch.Tensor, anchor: torch.Tensor, out_dtype: torch.dtype) -> None:
     want = (*anchor.shape[:3], 2 * anchor.shape[3])
     if tuple(out.shape) != want or out.dtype != out_dtype or out.device != anchor.device:
         raise ValueError(f"decode: out must be {want} {out_dtype} on {anchor.device}, got {tuple(out.shape)} "
