@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 import lynx_hf
 from lynx_hf import LynxCache, LynxQuantConfig, SpecConfig
-from lynx_hf.loader import prefill
+from lynx_hf.local import prefill
 
 from .data import eval_prompts
 
@@ -26,7 +26,7 @@ def run(drafts: int = 31, as_json=False, model_name=None):
     for ids in tqdm(eval_prompts(tok), desc="prompts", disable=as_json):
         kv, logits = prefill(model, ids)
         for name, (cfg, spec) in RUNS.items():
-            cache = LynxCache.from_kv(model, ids.shape[1], kv, logits, cfg, residual_after_tokens=drafts,
+            cache = LynxCache.from_kv(model, ids.shape[1], kv, logits, cfg, residual_after_steps=drafts,
                                       spec_config=spec)
             model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate,
                            max_new_tokens=drafts + 2, do_sample=False)  # first token, drafts, one more

@@ -28,9 +28,10 @@ def _rank(rank: int, port: int, backend: str, device: str, tokens: int, new_toke
 
     import lynx_hf
     from lynx_hf import LynxQuantConfig
+    from lynx_hf.arch import fingerprint
     from lynx_hf.transfer.decode import DecodeClient
     from lynx_hf.transfer.prefill import serve_channel
-    from lynx_hf.transfer.session import Channel, fingerprint, resolve_secret
+    from lynx_hf.transfer.session import Channel, resolve_secret
     from lynx_hf.transfer.transport import DistTransport
 
     try:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from lynx_hf import LynxCache, LynxQuantConfig, SpecConfig
-from lynx_hf.loader import prefill
+from lynx_hf.local import prefill
 
 MODES = ("bf16", "int8", "int4", "kivi2", "anchor", "lynx", "identity")
 _BASELINE = {"bf16": "bf16", "int8": "int8", "int4": "kivi4", "kivi2": "kivi2", "identity": "identity"}
@@ -44,7 +44,7 @@ def transferred_cache(model, kv, logits, prompt_len: int, mode: str, lynx_config
     cfg, tier = mode_config(mode, lynx_config)
     streaming = mode == "lynx"
     cache = LynxCache.from_kv(model, prompt_len, kv, logits, cfg,
-                              residual_after_tokens=residual_after if streaming else None,
+                              residual_after_steps=residual_after if streaming else None,
                               spec_config=spec_config, bandwidth_bps=bandwidth_bps if streaming else None)
     return cache if streaming else cache.pin_tier(tier)
 

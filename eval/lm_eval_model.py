@@ -29,7 +29,7 @@ from transformers import StopStringCriteria, StoppingCriteriaList
 
 import lynx_hf
 from lynx_hf import LynxQuantConfig
-from lynx_hf.loader import prefill
+from lynx_hf.local import prefill
 from lynx_hf.transfer.decode import DTYPES  # dtype name → torch dtype, as on the wire
 
 from .kv_modes import MODES, continuation_logprobs, mode_config, transferred_cache

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 import lynx_hf
 from lynx_hf import LynxCache, LynxQuantConfig
-from lynx_hf.loader import prefill
+from lynx_hf.local import prefill
 
 from .kv_modes import mode_config, transferred_cache
 from .tasks import lynx_mmlu_pro as mp

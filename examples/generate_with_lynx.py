@@ -8,7 +8,7 @@ input_ids = tok.apply_chat_template(messages, add_generation_prompt=True, return
 
 # Prefill node: full-precision prefill; KV encoded as anchor (4 bit + metadata) and residual (4 bit), plus the
 # prompt's last-position logits. Here both nodes are this process; the residual "lands" after 8 draft steps.
-cache, _ = LynxCache.from_prefill(model, input_ids, quant_config=LynxQuantConfig(), residual_after_tokens=8)
+cache, _ = LynxCache.from_prefill(model, input_ids, quant_config=LynxQuantConfig(), residual_after_steps=8)
 
 # Decode node: ordinary `generate` on the bare prompt, with Lynx's draft -> verify loop plugged in.
 streamer = lynx_hf.SpeculativeStreamer(tok)  # verified text plain, drafts dimmed until verified

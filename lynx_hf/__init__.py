@@ -2,8 +2,9 @@
 from .config import LynxQuantConfig, SpecConfig
 from .model import load_default_model
 from . import quant
-from .cache import LoaderError, LynxCache
-from .generate import speculative_generate
+from .cache import LynxCache
+from .loader import LoaderError
+from .engine import speculative_generate
 from .streamer import SpeculativeStreamer
 
 __all__ = ["LynxQuantConfig", "SpecConfig", "load_default_model", "quant", "LynxCache", "LoaderError",

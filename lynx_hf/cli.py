@@ -160,7 +160,7 @@ def main(argv=None):
 
     commands.register(sub)
     a = p.parse_args(argv)
-    from lynx_hf.cache import LoaderError
+    from lynx_hf.loader import LoaderError
     from lynx_hf.transfer.wire import WireError
 
     try:

@@ -133,15 +133,16 @@ class LynxQuantConfig:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """The draft → verify loop. max_draft_tokens bounds the draft steps (forward passes) that verification may
-    throw away (0: never draft, wait for the full tier); draft_while_waiting=False also disables drafting. The
-    residual is re-checked between draft steps; no step starts when it is due within `verify_lead` steps.
+    """The draft → verify loop. max_draft_steps bounds the draft steps (forward passes on the anchor tier) that
+    verification may throw away (0: never draft, wait for the full tier; `max_draft_tokens` is its deprecated
+    alias); draft_while_waiting=False also disables drafting. The residual is re-checked between draft steps; no
+    step starts when it is due within `verify_lead` steps.
     Greedy drafts a tree (docs/drafting.md): each step runs at most `tree_width` frontier nodes and gives each its
     `tree_branch` best children, scored by log-softmax(scores / tree_temperature) (calibrated to predict the full
     tier's argmax), children more than `tree_cutoff` nats below the best are not expanded, and the verify pass runs
     the `verify_nodes` best nodes. tree_width = tree_branch = 1 drafts a chain; sampling always drafts a chain."""
 
-    max_draft_tokens: int = 64
+    max_draft_steps: int = 64
     draft_while_waiting: bool = True
     tree_width: int = 8
     tree_branch: int = 4
@@ -149,9 +150,17 @@ class SpecConfig:
     tree_temperature: float = 0.1
     tree_cutoff: float = 10.0
     verify_lead: float = 1.0
+    max_draft_tokens: int | None = None  # deprecated alias of max_draft_steps
 
     def __post_init__(self):
-        for name, lo, hi in (("max_draft_tokens", 0, 4096), ("tree_width", 1, 64), ("tree_branch", 1, 64),
+        if self.max_draft_tokens is not None:
+            import warnings
+
+            warnings.warn("SpecConfig(max_draft_tokens=...) is deprecated: it counts draft steps; use "
+                          "max_draft_steps", DeprecationWarning, stacklevel=3)
+            object.__setattr__(self, "max_draft_steps", self.max_draft_tokens)
+            object.__setattr__(self, "max_draft_tokens", None)
+        for name, lo, hi in (("max_draft_steps", 0, 4096), ("tree_width", 1, 64), ("tree_branch", 1, 64),
                              ("verify_nodes", 1, 4096)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not (lo <= v <= hi):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .cache import LynxCache
 from .config import LynxQuantConfig
-from .generate import speculative_generate
+from .engine import speculative_generate
 
 # generate() arguments that Lynx's decoding loop cannot honour
 _UNSUPPORTED = ("assistant_model", "prefix_allowed_tokens_fn", "negative_prompt_ids", "negative_prompt_attention_mask")
@@ -25,19 +25,21 @@ Pass cache=LynxCache(...) to decode a KV transferred from a prefill node instead
 from lynx_hf.hub import hub_generate
 
 LYNX_CONFIG = {config}
-RESIDUAL_AFTER_TOKENS = {residual_after}
+RESIDUAL_AFTER_STEPS = {residual_after}
 
 
 def generate(model, *args, **kwargs):
-    kwargs.setdefault("residual_after_tokens", RESIDUAL_AFTER_TOKENS)
+    kwargs.setdefault("residual_after_steps", RESIDUAL_AFTER_STEPS)
     return hub_generate(model, LYNX_CONFIG, *args, **kwargs)
 '''
 
 
-def hub_generate(model, lynx_config: dict, inputs=None, residual_after_tokens: int | None = None, **kwargs):
+def hub_generate(model, lynx_config: dict, inputs=None, residual_after_steps: int | None = None,
+                 residual_after_tokens: int | None = None, **kwargs):
     """Run Lynx for a string `custom_generate`. inputs / input_ids: the prompt [B, P]; cache: a LynxCache to decode
     (default: a local full-precision prefill encoded with `lynx_config`, its residual landing after
-    `residual_after_tokens` draft steps); every other argument as in `generate`."""
+    `residual_after_steps` draft steps; `residual_after_tokens`, as older shims pass it, is its alias); every other
+    argument as in `generate`."""
     ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
     kwargs.pop("input_ids", None)
     if ids is None:
@@ -53,13 +55,14 @@ def hub_generate(model, lynx_config: dict, inputs=None, residual_after_tokens: i
     if cache is None:
         cfg = LynxQuantConfig.from_dict(dict(lynx_config))
         cache, _ = LynxCache.from_prefill(model, ids, quant_config=cfg, attention_mask=kw.get("attention_mask"),
+                                          residual_after_steps=residual_after_steps,
                                           residual_after_tokens=residual_after_tokens)
     elif not isinstance(cache, LynxCache):
         raise ValueError(f"Lynx custom_generate needs cache=LynxCache(...) or none, got {type(cache).__name__}")
     return model.generate(ids, cache=cache, custom_generate=speculative_generate, **kw)
 
 
-def write_custom_generate(folder, lynx_config: LynxQuantConfig, residual_after_tokens: int = 8) -> None:
+def write_custom_generate(folder, lynx_config: LynxQuantConfig, residual_after_steps: int = 8) -> None:
     """Write `custom_generate/generate.py` and `custom_generate/requirements.txt` into a repo folder."""
     import os
 
@@ -68,6 +71,6 @@ def write_custom_generate(folder, lynx_config: LynxQuantConfig, residual_after_t
     d = os.path.join(folder, "custom_generate")
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "generate.py"), "w") as f:
-        f.write(SHIM.format(config=repr(lynx_config.to_dict()), residual_after=int(residual_after_tokens)))
+        f.write(SHIM.format(config=repr(lynx_config.to_dict()), residual_after=int(residual_after_steps)))
     with open(os.path.join(d, "requirements.txt"), "w") as f:
         f.write(f"lynx-hf>={__version__}\n")

@@ -1,5 +1,5 @@
 """Token trees for drafting, with no model and no cache: growth by cumulative draft probability, the node subset a
-verification pass runs, the paths a tree attention mask is built from, and the greedy walk's child lookup.
+verification pass runs, the paths a tree attention mask is built from, and the greedy acceptance walk.
 
 A tree is drafted per prompt row after the root (the last verified token, not a node). Every row's tree has the
 same shape of bookkeeping — n nodes, each with a token, a parent (node index, or ROOT), a depth ≥ 1 and a score
@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from .spec import UNUSED
 
 ROOT = -1  # parent of the nodes at depth 1: the root (the last verified token)
 NO_NODE = -2  # padding of Tree.path_nodes past the root
@@ -124,3 +126,29 @@ def child_with_token(parent: torch.Tensor, tokens: torch.Tensor, node: torch.Ten
     hit = (parent == node[:, None]) & (tokens == token[:, None])                 # [B, n]
     idx = hit.long().argmax(1)
     return torch.where(hit.any(1), idx, torch.full_like(idx, -1))
+
+
+def walk_tree(parent: torch.Tensor, tokens: torch.Tensor, choice: torch.Tensor):
+    """The greedy acceptance walk, per row: from the root, emit the target's choice and follow the child carrying it,
+    until a node has no such child. parent / tokens [B, n]: a subtree (parents first, `restrict` numbering);
+    choice [B, n+1]: the target's token after the root (column 0) and after each node (column j + 1).
+    Returns (accepted [B] long: nodes on the accepted path, path [B, n] long: those nodes, −1 after them,
+    tokens [B, n+1] long: the accepted path's tokens then the correction or bonus, UNUSED after them) — the tree
+    counterpart of `spec.verify_chain` (every row emits accepted + 1 tokens)."""
+    B, n = parent.shape
+    cur = torch.full((B,), ROOT, dtype=torch.long, device=parent.device)
+    path = torch.full((B, n), -1, dtype=torch.long, device=parent.device)
+    out = torch.full((B, n + 1), UNUSED, dtype=torch.long, device=parent.device)
+    accepted = torch.zeros(B, dtype=torch.long, device=parent.device)
+    walking = torch.ones(B, dtype=torch.bool, device=parent.device)
+    for d in range(n + 1):
+        tok = choice.gather(1, (cur + 1)[:, None])[:, 0]                           # [B]
+        out[:, d] = torch.where(walking, tok, out[:, d])
+        child = child_with_token(parent, tokens, cur, tok)
+        walking = walking & (child >= 0)
+        if not bool(walking.any()):
+            break
+        path[:, d] = torch.where(walking, child, path[:, d])
+        accepted += walking.long()
+        cur = torch.where(walking, child, cur)
+    return accepted, path, out

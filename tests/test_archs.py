@@ -8,8 +8,8 @@ import transformers as tf
 
 import lynx_hf
 from lynx_hf import LynxCache, LynxQuantConfig as Q
-from lynx_hf.cache import layer_windows
-from lynx_hf.loader import prefill
+from lynx_hf.arch import layer_windows
+from lynx_hf.local import prefill
 from reference import full_tier_greedy
 
 V, N = 128, 12
@@ -45,7 +45,7 @@ def options(first: int) -> dict:
 
 
 def lynx(model, ids, qc, after, **kw):
-    cache, _ = LynxCache.from_prefill(model, ids, quant_config=qc, residual_after_tokens=after)
+    cache, _ = LynxCache.from_prefill(model, ids, quant_config=qc, residual_after_steps=after)
     out = model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate, max_new_tokens=N,
                          do_sample=False, **kw)
     return out, cache
@@ -99,7 +99,7 @@ def test_batch_with_left_padding_and_eos_as_one_rows_first_token():
     assert plain[1, 30:].tolist() == [eos] + [0] * (N - 1)  # the case at hand: row 1 stops at its first token
     got = {}
     for name, qc, after in (("identity", Q(method="identity"), 0), ("lynx", Q(), 0), ("lynx, 4 drafts", Q(), 4)):
-        cache, _ = LynxCache.from_prefill(model, ids, quant_config=qc, residual_after_tokens=after, attention_mask=mask)
+        cache, _ = LynxCache.from_prefill(model, ids, quant_config=qc, residual_after_steps=after, attention_mask=mask)
         got[name] = model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate, **kw).tolist()
     assert got["identity"] == plain.tolist()
     assert got["lynx, 4 drafts"] == got["lynx"] and got["lynx"][1][30:] == plain[1, 30:].tolist()
@@ -109,11 +109,11 @@ def test_sampled_first_token_follows_the_options():
     """temperature=2 over a flat tiny model: the first token varies from run to run (it used to be the argmax)."""
     model = build("llama", scale=1.0)
     ids = torch.randint(3, V, (1, 32), generator=torch.Generator().manual_seed(4))
-    cache0, _ = LynxCache.from_prefill(model, ids, quant_config=Q(method="identity"), residual_after_tokens=0)
+    cache0, _ = LynxCache.from_prefill(model, ids, quant_config=Q(method="identity"), residual_after_steps=0)
     kv, logits = prefill(model, ids)
     firsts = set()
     for s in range(40):
-        cache = LynxCache.from_kv(model, ids.shape[1], kv, logits, Q(method="identity"), residual_after_tokens=0)
+        cache = LynxCache.from_kv(model, ids.shape[1], kv, logits, Q(method="identity"), residual_after_steps=0)
         torch.manual_seed(s)
         out = model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate, max_new_tokens=1,
                              do_sample=True, temperature=2.0, top_k=0)
@@ -128,7 +128,7 @@ def test_plain_generate_without_custom_generate_decodes_on_the_full_tier(recwarn
     model = build("gemma3")
     ids = torch.randint(3, V, (1, 40), generator=torch.Generator().manual_seed(5))
     plain = model.generate(ids, max_new_tokens=N, do_sample=False, repetition_penalty=1.3)
-    cache, _ = LynxCache.from_prefill(model, ids, quant_config=Q(method="identity"), residual_after_tokens=3)
+    cache, _ = LynxCache.from_prefill(model, ids, quant_config=Q(method="identity"), residual_after_steps=3)
     got = model.generate(ids, cache=cache, max_new_tokens=N, do_sample=False, repetition_penalty=1.3)
     assert got.tolist() == plain.tolist()
     hints = [w for w in recwarn.list if "custom_generate=lynx_hf.speculative_generate" in str(w.message)]
@@ -140,7 +140,7 @@ def test_beams_and_multiple_sequences_are_one_clear_error(kw):
     model = build("llama")
     ids = torch.randint(3, V, (1, 20), generator=torch.Generator().manual_seed(6))
     for custom in ({"custom_generate": lynx_hf.speculative_generate}, {}):
-        cache, _ = LynxCache.from_prefill(model, ids, residual_after_tokens=0)
+        cache, _ = LynxCache.from_prefill(model, ids, residual_after_steps=0)
         with pytest.raises(ValueError, match="num_beams > 1 and num_return_sequences > 1"):
             model.generate(ids, cache=cache, max_new_tokens=4, **custom, **kw)
 
@@ -154,7 +154,7 @@ def test_scores_and_logits_match_plain_generate():
               output_logits=True, repetition_penalty=1.5)
     plain = model.generate(ids, **kw)
     for after in (0, 3):
-        cache, _ = LynxCache.from_prefill(model, ids, quant_config=Q(method="identity"), residual_after_tokens=after)
+        cache, _ = LynxCache.from_prefill(model, ids, quant_config=Q(method="identity"), residual_after_steps=after)
         got = model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate, **kw)
         assert got.sequences.tolist() == plain.sequences.tolist()
         assert len(got.scores) == len(got.logits) == len(plain.scores) == 8 and got.cache is cache

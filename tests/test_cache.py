@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lynx_hf import LoaderError, LynxCache, LynxQuantConfig as Q
-from lynx_hf.loader import InProcessLoader, anchor_only, encode_layers
+from lynx_hf.local import InProcessLoader, anchor_only, encode_layers
 from lynx_hf.quant import decode
 
 
@@ -18,7 +18,7 @@ def kv(L=2, B=2, H=3, S=70, D=16, seed=0):
 def test_tiers_tail_crop_and_sizes():
     data = kv()
     cache = LynxCache(2, 70)
-    InProcessLoader(data, Q(), residual_after_tokens=3).attach(cache)
+    InProcessLoader(data, Q(), residual_after_steps=3).attach(cache)
     assert cache.anchors_ready() and not cache.residual_ready()
     cache.set_tier("anchor")
     k_anchor = cache.layers[0].keys.clone()
@@ -133,7 +133,7 @@ def test_sliding_layer_holds_its_window_and_says_so_in_the_mask_sizes():
 def test_plain_forward_reruns_the_prompts_last_position_once():
     data = kv(L=1, B=1)
     cache = LynxCache(1, 70, Q(method="identity"))
-    InProcessLoader(data, Q(method="identity"), residual_after_tokens=2).attach(cache)
+    InProcessLoader(data, Q(method="identity"), residual_after_steps=2).attach(cache)
     with pytest.warns(UserWarning, match="custom_generate"):
         k, v = cache.update(torch.zeros(1, 3, 2, 16), torch.ones(1, 3, 2, 16), 0)  # positions 69 (re-run) and 70
     assert k.shape[2] == 71 and torch.equal(k[:, :, :70], data[0][0]) and torch.equal(v[:, :, 70:], torch.ones(1, 3, 1, 16))
@@ -163,7 +163,7 @@ def test_overlapping_segments_are_refused():
     with pytest.raises(ValueError, match=r"overlaps \[0, 2\)"):
         cache.put_anchor(0, "key", 1, x)
     cache.put_anchor(0, "key", 2, x)
-    assert cache.layers[0]._covered("key") == 4
+    assert cache.layers[0].store.covered("key") == 4
 
 
 def test_a_used_cache_is_freed_by_reference_counting(model_and_tok):
@@ -180,7 +180,7 @@ def test_a_used_cache_is_freed_by_reference_counting(model_and_tok):
     gc.disable()
     try:
         for how in ("pinned", "speculative", "bandwidth"):
-            kw = {"bandwidth_bps": 1e9} if how == "bandwidth" else {"residual_after_tokens": 2}
+            kw = {"bandwidth_bps": 1e9} if how == "bandwidth" else {"residual_after_steps": 2}
             cache, _ = LynxCache.from_prefill(model, ids, **kw)
             if how == "pinned":
                 model.generate(ids, cache=cache.pin_tier("full"), max_new_tokens=3, do_sample=False)

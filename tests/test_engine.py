@@ -9,7 +9,7 @@ from transformers import GenerationConfig, LogitsProcessorList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
 from lynx_hf import LoaderError, LynxCache, LynxQuantConfig as Q, SpecConfig, SpeculativeStreamer, speculative_generate
-from lynx_hf.loader import InProcessLoader
+from lynx_hf.local import InProcessLoader
 
 P, V, EOS, PAD = 6, 16, 1, 0
 
@@ -60,7 +60,7 @@ def generate(full, anchor, after, max_new, eos=None, streamer=None, loader=InPro
     cache = LynxCache(1, P, Q(), spec_config=spec, timeout_s=5)
     g = torch.Generator().manual_seed(0)
     loader([(torch.randn(B, 1, P, 2, generator=g), torch.randn(B, 1, P, 2, generator=g))], Q(),
-           residual_after_tokens=after).attach(cache)
+           residual_after_steps=after).attach(cache)
     cache.put_logits(torch.stack([torch.nn.functional.one_hot(torch.tensor(r[0]), V).float() * 20 for r in full]))
     gc = GenerationConfig(max_new_tokens=max_new, do_sample=False, pad_token_id=PAD, eos_token_id=eos)
     gc._pad_token_tensor = torch.tensor(PAD)
@@ -178,7 +178,7 @@ def test_residual_before_any_draft_and_mid_draft_give_the_same_tokens(spec):
 def test_residual_landing_before_the_first_tree_step(monkeypatch):
     """The residual can complete between the check that starts drafting and the first step: an empty tree is
     verified (the root alone) and decoding goes on, exact."""
-    from lynx_hf.policy import DraftPolicy
+    from lynx_hf.engine.policy import DraftPolicy
 
     monkeypatch.setattr(DraftPolicy, "another_step", lambda self: False)
     got, st, _ = generate([FULL], [[9] * 12], after=4, max_new=6)

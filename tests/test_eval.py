@@ -12,7 +12,7 @@ import yaml
 
 import lynx_hf
 from lynx_hf import LynxCache, LynxQuantConfig
-from lynx_hf.loader import prefill
+from lynx_hf.local import prefill
 
 FIXTURES = Path(__file__).parent / "fixtures"
 QUESTIONS = str(FIXTURES / "mmlu_pro.jsonl")

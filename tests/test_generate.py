@@ -6,14 +6,14 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import lynx_hf
 from lynx_hf import LynxCache, LynxQuantConfig as Q, SpecConfig
-from lynx_hf.loader import prefill
+from lynx_hf.local import prefill
 from reference import full_tier_greedy
 
 N_NEW = 24
 
 
 def lynx_generate(model, ids, kv, logits, cfg, after, max_new_tokens=N_NEW, **kw):
-    cache = LynxCache.from_kv(model, ids.shape[1], kv, logits, cfg, residual_after_tokens=after)
+    cache = LynxCache.from_kv(model, ids.shape[1], kv, logits, cfg, residual_after_steps=after)
     out = model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate,
                          max_new_tokens=max_new_tokens, **kw)
     return out[0, ids.shape[1]:].tolist(), cache.stats
@@ -56,7 +56,7 @@ def test_prompt_plus_first_token_form_still_works(model_and_tok, shakespeare_ids
     model, _ = model_and_tok
     ids = shakespeare_ids[:, :300]
     plain = model.generate(ids, max_new_tokens=12, do_sample=False)
-    cache, first = LynxCache.from_prefill(model, ids, quant_config=Q(method="identity"), residual_after_tokens=4)
+    cache, first = LynxCache.from_prefill(model, ids, quant_config=Q(method="identity"), residual_after_steps=4)
     assert first.shape == (1, 1)
     out = model.generate(torch.cat([ids, first], -1), cache=cache, custom_generate=lynx_hf.speculative_generate,
                          max_new_tokens=11, do_sample=False)
@@ -68,7 +68,7 @@ def test_plain_generate_over_a_lynx_cache(model_and_tok, shakespeare_ids):
     model, _ = model_and_tok
     ids = shakespeare_ids[:, 100:400]
     plain = model.generate(ids, max_new_tokens=8, do_sample=False)
-    cache, _ = LynxCache.from_prefill(model, ids, quant_config=Q(method="identity"), residual_after_tokens=3)
+    cache, _ = LynxCache.from_prefill(model, ids, quant_config=Q(method="identity"), residual_after_steps=3)
     with pytest.warns(UserWarning, match="custom_generate=lynx_hf.speculative_generate"):
         out = model.generate(ids, cache=cache, max_new_tokens=8, do_sample=False)
     assert out.tolist() == plain.tolist()
@@ -78,7 +78,7 @@ def test_streamers_see_every_generated_token(model_and_tok, shakespeare_ids):
     model, tok = model_and_tok
     ids = shakespeare_ids[:, :256]
     s = lynx_hf.SpeculativeStreamer()
-    cache, _ = LynxCache.from_prefill(model, ids, residual_after_tokens=5)
+    cache, _ = LynxCache.from_prefill(model, ids, residual_after_steps=5)
     out = model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate, max_new_tokens=10,
                          do_sample=False, lynx_streamer=s)
     assert s.final == out[0, ids.shape[1]:].tolist() and len(s.final) == 10  # the first token included
@@ -98,7 +98,7 @@ def test_streamers_see_every_generated_token(model_and_tok, shakespeare_ids):
             self.puts.append("end")
 
     c = Collect()
-    cache, _ = LynxCache.from_prefill(model, ids, residual_after_tokens=3)
+    cache, _ = LynxCache.from_prefill(model, ids, residual_after_steps=3)
     out = model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate, max_new_tokens=6,
                          do_sample=False, lynx_streamer=c)
     assert c.puts[0] == ids[0].tolist() and c.puts[-1] == "end"
@@ -112,10 +112,10 @@ def test_stop_strings_and_processors_apply_in_both_phases(model_and_tok, shakesp
     model, tok = model_and_tok
     ids = shakespeare_ids[:, :256]
     kw = dict(max_new_tokens=20, do_sample=False, repetition_penalty=1.3)
-    cache, _ = LynxCache.from_prefill(model, ids, residual_after_tokens=None)  # full tier from the start
+    cache, _ = LynxCache.from_prefill(model, ids, residual_after_steps=None)  # full tier from the start
     ref = model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate, **kw)[0, ids.shape[1]:]
     stop = tok.decode(ref).strip().split()[2]  # a word a few tokens in
-    cache, _ = LynxCache.from_prefill(model, ids, residual_after_tokens=after)
+    cache, _ = LynxCache.from_prefill(model, ids, residual_after_steps=after)
     out = model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate,
                          stopping_criteria=StoppingCriteriaList([StopStringCriteria(tok, [stop])]), **kw)
     got = out[0, ids.shape[1]:]
@@ -131,11 +131,11 @@ def test_batch_with_left_padding(model_and_tok, shakespeare_ids):
     ids[0], ids[1, 60:] = a[0], b[0]
     mask = torch.ones(2, 200, dtype=torch.long)
     mask[1, :60] = 0
-    cache, _ = LynxCache.from_prefill(model, ids, attention_mask=mask, residual_after_tokens=3)
+    cache, _ = LynxCache.from_prefill(model, ids, attention_mask=mask, residual_after_steps=3)
     out = model.generate(ids, attention_mask=mask, cache=cache, custom_generate=lynx_hf.speculative_generate,
                          max_new_tokens=8, do_sample=False)
     for row, single in ((0, a), (1, b)):
-        c1, _ = LynxCache.from_prefill(model, single, residual_after_tokens=0)
+        c1, _ = LynxCache.from_prefill(model, single, residual_after_steps=0)
         o1 = model.generate(single, cache=c1, custom_generate=lynx_hf.speculative_generate, max_new_tokens=8,
                             do_sample=False)
         assert out[row, 200:].tolist() == o1[0, single.shape[1]:].tolist()
@@ -213,7 +213,7 @@ def test_tree_drafts_are_kept_where_the_chain_loses_them(model_and_tok, eval_pro
         kv, logits = prefill(model, ids)
         outs = {}
         for name, spec in runs.items():
-            cache = LynxCache.from_kv(model, ids.shape[1], kv, logits, Q(), residual_after_tokens=31, spec_config=spec)
+            cache = LynxCache.from_kv(model, ids.shape[1], kv, logits, Q(), residual_after_steps=31, spec_config=spec)
             outs[name] = model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate,
                                         max_new_tokens=33, do_sample=False).tolist()
             accepted[name].append(cache.stats["accepted"])

@@ -17,7 +17,8 @@ import transformers as tf
 from lynx_hf import LynxQuantConfig as Q
 from lynx_hf.transfer import prefill as P
 from lynx_hf.transfer.decode import DecodeClient
-from lynx_hf.transfer.session import Channel, client_handshake, fingerprint, resolve_secret, server_handshake
+from lynx_hf.arch import fingerprint
+from lynx_hf.transfer.session import Channel, client_handshake, resolve_secret, server_handshake
 from lynx_hf.transfer.transport import TcpTransport, Transport
 from lynx_hf.transfer.wire import HEADER, FrameType, PeerClosed, Stream, WireError, decode_frame, encode_frame
 

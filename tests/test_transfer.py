@@ -37,7 +37,7 @@ def test_lossless_over_tcp_and_same_as_in_process(server, model_and_tok, prompt)
     ref = cli.generate(prompt, Q(), max_new_tokens=12, speculative=False)
     cli.close()
     assert spec["tokens"] == ref["tokens"] and len(spec["tokens"]) == 12  # the first token counts
-    cache, _ = LynxCache.from_prefill(model, torch.tensor([prompt]), residual_after_tokens=0)
+    cache, _ = LynxCache.from_prefill(model, torch.tensor([prompt]), residual_after_steps=0)
     local = model.generate(torch.tensor([prompt]), cache=cache, custom_generate=lynx_hf.speculative_generate,
                            max_new_tokens=12, do_sample=False)
     assert spec["tokens"] == local[0, len(prompt):].tolist()

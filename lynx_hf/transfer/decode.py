@@ -14,7 +14,8 @@ from ..cache import LynxCache
 from ..config import LynxQuantConfig, SpecConfig
 from ..loader import Loader
 from .serde import check_residual, to_split, unpack_chunk, unpack_logits
-from .session import Channel, client_handshake, fingerprint, kv_geometry, resolve_secret
+from ..arch import fingerprint, kv_geometry
+from .session import Channel, client_handshake, resolve_secret
 from .transport import TcpTransport, TlsTcpTransport
 from .wire import FrameType, Stream, WireError
 
@@ -132,7 +133,7 @@ class DecodeClient:
                  speculative: bool = True, spec_config: SpecConfig | None = None, **gen_kwargs) -> dict:
         """Send the prompt, receive its KV and logits, and generate `max_new_tokens` tokens (the first included)
         with any generation options (`gen_kwargs`, greedy by default)."""
-        from ..generate import speculative_generate
+        from ..engine import speculative_generate
 
         if self._broken is not None:
             raise ConnectionError(f"this connection failed earlier ({self._broken}); open a new DecodeClient")
@@ -142,11 +143,12 @@ class DecodeClient:
         self.ch.send_json(FrameType.REQUEST, {"input_ids": list(map(int, input_ids)), "quant_config": cfg.to_dict()}, rid)
         p = self.ch.recv(self.timeout, FrameType.PROMPT).json()
         self._check_handshake(p, len(input_ids), cfg)
-        spec = spec_config or SpecConfig(max_draft_tokens=64 if speculative else 0)
+        spec = spec_config or SpecConfig(max_draft_steps=64 if speculative else 0)
         # waits are bounded by the loader's per-frame timeout (a silent peer fails the cache), not by the cache's
         device = next(self.model.parameters()).device
         cache = LynxCache(p["num_layers"], p["prompt_len"], cfg, spec, dtype=DTYPES[p["dtype"]], device=device,
                           timeout_s=self.timeout + 600, sliding_windows=p["windows"])
+        cache.trace.t0 = t0  # one clock: every figure of this request counts from sending it
         loader = NetworkLoader(self.ch, p, rid, self.timeout).attach(cache)
         try:
             out = self.model.generate(torch.tensor([list(input_ids)], device=device), cache=cache,
@@ -159,19 +161,15 @@ class DecodeClient:
             pass  # the stream goes on after an early stop; the receiver's per-frame timeout bounds this
         if loader.error is not None:  # generation completed and verified; the connection is no longer usable
             self._broken = loader.error
-        gen = [t - t0 for t, k in cache.timeline if k in ("draft", "verified")]
-        ver = [t - t0 for t, k in cache.timeline if k == "verified"]
+        gen, ver = cache.trace.times("draft", "verified"), cache.trace.times("verified")
         return {"tokens": out[0, len(input_ids):].tolist(), "t0": t0,
                 # from sending the request (= its arrival at the prefill process, on loopback) to the first token
-                # this process produced (draft or verified), the first verified one, and the 32nd verified one
+                # this process produced (draft or verified), the first verified one (= stats' ttft_verified_s),
+                # and the 32nd verified one
                 "ttft_s": gen[0], "ttft_verified_s": ver[0], "tt32t_s": ver[min(32, len(ver)) - 1],
-                "prefill_s": loader.prefill_s, "stats": dict(cache.stats), "events": list(cache.events),
-                "timeline": list(cache.timeline), "bytes": self._bytes(cache),
+                "prefill_s": loader.prefill_s, "stats": cache.stats.as_dict(), "events": list(cache.events),
+                "timeline": list(cache.timeline), "bytes": cache.nbytes(),
                 "loader_error": None if loader.error is None else str(loader.error)}
-
-    @staticmethod
-    def _bytes(cache: LynxCache) -> int:
-        return sum(s.nbytes("full") for l in cache.layers for kind in l.segments for s in l.segments[kind].values())
 
     def close(self) -> None:
         self.ch.close()

@@ -16,10 +16,11 @@ import time
 import torch
 
 from ..config import LynxQuantConfig
-from ..loader import PromptCapture
+from ..local import PromptCapture
 from ..quant import encode
 from .serde import pack_chunk, pack_logits
-from .session import Channel, fingerprint, kv_geometry, resolve_secret, server_handshake
+from ..arch import fingerprint, kv_geometry
+from .session import Channel, resolve_secret, server_handshake
 from ..link import LinkEmulator
 from .transport import PRIO_ANCHOR, PRIO_END, PRIO_RESIDUAL, TcpTransport, TlsTcpTransport
 from .wire import MAX_JSON, FrameType, PeerClosed, Stream, WireError, json_frame

@@ -15,8 +15,6 @@ import os
 import secrets
 import time
 
-import torch
-
 from .transport import PRIO_ANCHOR, Transport
 from .wire import (FLAG_MAC, MAX_HANDSHAKE, MAX_PAYLOAD, FrameType, SequenceChecker, Stream, WireError, encode_frame,
                    header_bytes, json_payload)
@@ -34,37 +32,6 @@ def resolve_secret(secret: str | None, insecure: bool = False) -> bytes:
     if insecure:
         return INSECURE_SECRET
     raise ValueError(f"no shared secret: pass --secret or set {SECRET_ENV} (or --insecure, on loopback only)")
-
-
-def fingerprint(model) -> str:
-    """Identifies the model's architecture and weights: its config, and every parameter's name, shape, a strided
-    sample of its values, its sum and its sum of squares (one pass over the weights, so any change shows)."""
-    h = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
-    for name, p in model.named_parameters():
-        flat = p.detach().reshape(-1)
-        h.update(f"{name}{tuple(p.shape)}".encode())
-        h.update(flat[:: max(1, flat.numel() // 64)][:64].float().cpu().numpy().tobytes())
-        f = flat.float()
-        h.update(torch.stack([f.sum(), torch.dot(f, f)]).cpu().numpy().tobytes())
-    return h.hexdigest()[:32]
-
-
-def logits_width(model) -> int:
-    """Columns of the model's logits (the output embedding's rows; the config's vocab_size without one)."""
-    emb = model.get_output_embeddings()
-    return int(emb.weight.shape[0]) if emb is not None else int(model.config.get_text_config().vocab_size)
-
-
-def kv_geometry(model) -> dict:
-    """What the model's prompt KV looks like on the wire: the PROMPT frame declares it and the decode side requires
-    it to equal its own model's before allocating anything."""
-    from ..cache import layer_windows
-
-    c = model.config.get_text_config(decoder=True)
-    windows = layer_windows(model.config)
-    return {"num_layers": len(windows), "windows": windows, "batch": 1, "kv_heads": c.num_key_value_heads,
-            "head_dim": getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-            "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "vocab": logits_width(model)}
 
 
 def _tag(key: bytes, header: bytes, body) -> bytes:

@@ -1,0 +1,65 @@
+"""What a model's shape says, with no cache and no transport: per-layer attention windows, the prompt KV's geometry
+on the wire, the logits width, and a fingerprint of the weights. Every other module asks here instead of reading
+model configs itself."""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from transformers.cache_utils import get_layer_types_and_kwargs
+
+
+def layer_windows(config) -> list[int | None]:
+    """Per decoder layer: None (full attention) or its sliding window W, as Transformers' own caches read the config.
+    Raises ValueError at once for layers a transferred prompt cannot serve (linear-attention / SSM state, chunked
+    attention, KV shared between layers)."""
+    types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    out = []
+    for i, (t, kw) in enumerate(zip(types, kwargs)):
+        if t == "full_attention":
+            out.append(None)
+        elif t == "sliding_attention":
+            out.append(int(kw["sliding_window"]))
+        else:
+            raise ValueError(f"LynxCache supports full and sliding-window attention layers; layer {i} of this "
+                             f"{getattr(config, 'model_type', 'model')} is {t!r}")
+    return out
+
+
+def held_positions(prompt_len: int, window: int | None) -> int:
+    """Prompt positions a layer keeps: all P for full attention, the last min(P, W) for a sliding window W."""
+    return prompt_len if window is None else min(prompt_len, window)
+
+
+def head_dim(config) -> int:
+    c = config.get_text_config(decoder=True)
+    return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+
+def logits_width(model) -> int:
+    """Columns of the model's logits (the output embedding's rows; the config's vocab_size without one)."""
+    emb = model.get_output_embeddings()
+    return int(emb.weight.shape[0]) if emb is not None else int(model.config.get_text_config().vocab_size)
+
+
+def kv_geometry(model) -> dict:
+    """What the model's prompt KV looks like on the wire: the PROMPT frame declares it and the decode side requires
+    it to equal its own model's before allocating anything."""
+    c = model.config.get_text_config(decoder=True)
+    windows = layer_windows(model.config)
+    return {"num_layers": len(windows), "windows": windows, "batch": 1, "kv_heads": c.num_key_value_heads,
+            "head_dim": head_dim(model.config), "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+            "vocab": logits_width(model)}
+
+
+def fingerprint(model) -> str:
+    """Identifies the model's architecture and weights: its config, and every parameter's name, shape, a strided
+    sample of its values, its sum and its sum of squares (one pass over the weights, so any change shows)."""
+    h = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    for name, p in model.named_parameters():
+        flat = p.detach().reshape(-1)
+        h.update(f"{name}{tuple(p.shape)}".encode())
+        h.update(flat[:: max(1, flat.numel() // 64)][:64].float().cpu().numpy().tobytes())
+        f = flat.float()
+        h.update(torch.stack([f.sum(), torch.dot(f, f)]).cpu().numpy().tobytes())
+    return h.hexdigest()[:32]

@@ -1,0 +1,307 @@
+"""`LynxCache`: a `transformers.Cache` whose prompt KV arrives as Lynx streams (anchor first, residual later).
+
+It orchestrates: a loader on another thread fills each layer's `PromptStore` (`put_anchor` / `put_residual` /
+`put_logits`, under the cache's lock); the decoding thread polls readiness without blocking and materialises a tier
+(`set_tier`, or layer by layer inside a forward pass with `set_full_tier_per_layer`). The lock covers the stores
+only: dequantization runs outside it, so the receiver keeps reading the socket while a tier is materialised.
+
+Two ways to decode from it:
+  * `model.generate(prompt, cache=cache, custom_generate=lynx_hf.speculative_generate, ...)`: drafts on the anchor
+    tier while the residual streams in, then verifies (lynx_hf.engine). The first token comes from the prefill's
+    last-position logits (`prefill_logits`), so it follows the caller's generation options.
+  * `model.generate(prompt, cache=cache)`: plain Transformers decoding. Until its first forward the cache presents
+    the prompt minus its last position, so `generate` re-runs that one position (as vLLM does when every prompt
+    token is cached); the first forward waits for the residual and decodes on the full tier, no drafting.
+
+Memory bound during decode, per layer: packed codes and metadata (≈ 8.5 bits/value of the held prompt, both
+streams), one dequantized prompt in the model dtype ([B, H_kv, S_held, D] for K and for V; the full tier is decoded
+into the anchor tier's buffers in place), and the tail ([B, H_kv, T, D] each). The forward pass's activations come
+on top (measured against this bound in docs/performance.md). The cache knows nothing about sockets or sampling;
+its telemetry is a `Trace` (`cache.trace`, `cache.stats`)."""
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+
+import torch
+from transformers.cache_utils import Cache
+
+from ..arch import layer_windows
+from ..config import LynxQuantConfig, SpecConfig
+from ..loader import LoaderError
+from ..quant import SplitKV
+from ..trace import Trace
+from .layer import KINDS, LynxLayer
+
+PLAIN_GENERATE_HINT = ("LynxCache: generate() without custom_generate waits for the residual stream and decodes on "
+                       "the full tier. Pass custom_generate=lynx_hf.speculative_generate to draft on the anchor tier "
+                       "while the residual streams in (same output).")
+
+
+class LynxCache(Cache):
+    """Cache for a transferred prompt of `prompt_len` tokens: one LynxLayer per decoder layer, sliding where
+    `sliding_windows[i]` is a window (see `arch.layer_windows`; `LynxCache.for_model` reads them from a model)."""
+
+    def __init__(self, num_layers: int, prompt_len: int, quant_config: LynxQuantConfig | None = None,
+                 spec_config: SpecConfig | None = None, dtype: torch.dtype = torch.float32, device="cpu",
+                 timeout_s: float = 120.0, sliding_windows: list[int | None] | None = None):
+        if num_layers < 1 or prompt_len < 1:
+            raise ValueError(f"LynxCache needs num_layers >= 1 and prompt_len >= 1, got {num_layers}, {prompt_len}")
+        windows = list(sliding_windows) if sliding_windows is not None else [None] * num_layers
+        if len(windows) != num_layers or not all(w is None or (isinstance(w, int) and w >= 1) for w in windows):
+            raise ValueError(f"sliding_windows must hold {num_layers} entries, each None or an int >= 1")
+        device = torch.device(device)
+        super().__init__(layers=[LynxLayer(prompt_len, w, device) for w in windows])
+        self.prompt_len = prompt_len
+        self.quant_config = quant_config or LynxQuantConfig()
+        self.spec_config = spec_config or SpecConfig()
+        self.dtype, self.device, self.timeout_s = dtype, device, timeout_s
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._error: BaseException | None = None
+        self._pending_full = [False] * num_layers  # materialise the full tier at the layer's next update
+        self.prefill_logits: torch.Tensor | None = None  # [B, V]: the prefill's last-position logits
+        self.loader = None
+        self.used = False  # a generation has consumed this cache (one request per cache)
+        self.trace = Trace()
+
+    @classmethod
+    def for_model(cls, model, prompt_len: int, **kw) -> "LynxCache":
+        windows = layer_windows(model.config)
+        return cls(len(windows), prompt_len, sliding_windows=windows, **kw)
+
+    # telemetry (lynx_hf.trace): the typed record, and the lists the demo and benchmarks read
+    @property
+    def stats(self):
+        return self.trace.stats
+
+    @property
+    def events(self) -> list:
+        return self.trace.events
+
+    @property
+    def timeline(self) -> list:
+        return self.trace.timeline
+
+    # -- loader side (any thread) -------------------------------------------------------------------------------------
+    def put_anchor(self, layer: int, kind: str, start: int, split: SplitKV) -> None:
+        with self._changed:
+            self._layer(layer).store.put_anchor(kind, start, split)
+            self.trace.arrived("anchor", layer, kind)
+            self._changed.notify_all()
+
+    def put_residual(self, layer: int, kind: str, start: int, residual: torch.Tensor) -> None:
+        with self._changed:
+            self._layer(layer).store.put_residual(kind, start, residual)
+            self.trace.arrived("residual", layer, kind, complete=self._complete("residual"))
+            self._changed.notify_all()
+
+    def put_logits(self, logits: torch.Tensor) -> None:
+        """The prefill's last-position logits, [B, V] (raw, before any logits processor)."""
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
+            raise ValueError(f"prefill logits must be a float tensor [B, V], got {getattr(logits, 'shape', logits)}")
+        if torch.isnan(logits).any():
+            raise ValueError("prefill logits contain NaN")
+        with self._changed:
+            if self.prefill_logits is not None:
+                raise ValueError("duplicate prefill logits")
+            self.prefill_logits = logits
+            self._changed.notify_all()
+
+    def fail(self, exc: BaseException) -> None:
+        """The loader reports that the prompt will not be completed; waiting calls raise LoaderError."""
+        with self._changed:
+            self._error = exc
+            self._changed.notify_all()
+
+    def _layer(self, i: int) -> LynxLayer:
+        if not 0 <= i < len(self.layers):
+            raise ValueError(f"layer {i} out of range [0, {len(self.layers)})")
+        return self.layers[i]
+
+    def _complete(self, stream: str, layers=None) -> bool:
+        """Every given layer's anchor (or residual) stream is in; the caller holds the lock."""
+        done = (lambda s: s.anchors_complete()) if stream == "anchor" else (lambda s: s.residual_complete())
+        return all(done(l.store) for l in (self.layers if layers is None else layers))
+
+    # -- decode side --------------------------------------------------------------------------------------------------
+    # What arrived whole stays usable after a later loader failure; the failure is raised to whoever still waits.
+    def anchors_ready(self) -> bool:
+        with self._lock:
+            return self._ready_or_raise(self._complete("anchor"))
+
+    def residual_ready(self) -> bool:
+        with self._lock:
+            return self._ready_or_raise(self._complete("residual"))
+
+    def _ready_or_raise(self, ready: bool) -> bool:
+        if not ready and self._error is not None:
+            raise LoaderError(f"KV loader failed: {self._error}") from self._error
+        return ready
+
+    def _wait(self, ready, what: str, timeout: float | None) -> None:
+        timeout = self.timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                if self._ready_or_raise(ready()):
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise LoaderError(f"timed out after {timeout:.1f} s waiting for the {what}")
+                self._changed.wait(min(left, 0.5))
+
+    def wait_anchors(self, timeout: float | None = None) -> None:
+        self._wait(lambda: self._complete("anchor"), "anchor stream", timeout)
+
+    def wait_residual(self, timeout: float | None = None) -> None:
+        self.need_residual()
+        self._wait(lambda: self._complete("residual"), "residual stream", timeout)
+
+    def need_residual(self) -> None:
+        """The decoder is about to verify: a loader on a step-count schedule releases the residual now."""
+        if self.loader is not None:
+            self.loader.on_wait()
+
+    def wait_logits(self, timeout: float | None = None) -> torch.Tensor:
+        self._wait(lambda: self.prefill_logits is not None, "prefill's logits", timeout)
+        return self.prefill_logits
+
+    def residual_eta(self) -> float | None:
+        """Seconds until the residual is complete (see Trace.residual_eta)."""
+        with self._lock:
+            return self.trace.residual_eta(sum(l.store.missing for l in self.layers))
+
+    def _snapshot(self, layer: LynxLayer, tier: str) -> dict:
+        """The layer's segments for `tier` (the caller holds the lock and has checked that they are complete)."""
+        return {kind: layer.store.snapshot(kind) for kind in KINDS}
+
+    def set_tier(self, tier: str) -> None:
+        """Materialise every layer's prompt at `tier` (after wait_anchors / wait_residual): the segments are taken
+        under the lock, dequantized outside it."""
+        with self._lock:
+            if not self._complete(tier if tier == "anchor" else "residual"):
+                raise RuntimeError(f"set_tier({tier!r}) before that tier's streams are complete")
+            snaps = [self._snapshot(l, tier) for l in self.layers]
+        for l, snap in zip(self.layers, snaps):
+            l.materialise(tier, snap, self.dtype, self.device)
+
+    def set_full_tier_per_layer(self) -> None:
+        """Switch to the full tier layer by layer: each layer's next `update` (its turn in the next forward pass)
+        first waits for that layer's residual, then materialises it. A forward pass started before the residual is
+        complete thus runs each layer as soon as its residual has landed (verification overlaps the transfer)."""
+        self._pending_full = [True] * len(self.layers)
+
+    def _materialise_pending(self, i: int) -> None:
+        layer = self.layers[i]
+        self._wait(lambda: self._complete("residual", [layer]), f"residual stream of layer {i}", None)
+        with self._lock:
+            snap = self._snapshot(layer, "full")
+        layer.materialise("full", snap, self.dtype, self.device)
+        self._pending_full[i] = False
+
+    def keep_tail(self, start: int, index: torch.Tensor) -> None:
+        """Every layer keeps its positions before `start` and, per row, start + index[b] ([B, k]) after them."""
+        for l in self.layers:
+            l.keep_tail(start, index)
+
+    def notify_drafted(self, n: int) -> None:
+        if self.loader is not None:
+            self.loader.on_draft(n)
+
+    def close(self) -> None:
+        """Release the loader (stops a simulated link; a network receiver reads on to its request's end or cancels
+        it) and drop the reference to it, so that no cache ↔ loader cycle outlives the request (caches are then
+        freed by reference counting, not by the cyclic collector, which lets garbage KV pile up)."""
+        loader, self.loader = self.loader, None
+        if loader is not None:
+            loader.close()
+
+    def nbytes(self) -> int:
+        """Bytes of the encoded prompt held (both streams, metadata included)."""
+        with self._lock:
+            return sum(l.store.nbytes() for l in self.layers)
+
+    # -- Transformers' Cache ------------------------------------------------------------------------------------------
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if self._pending_full[layer_idx]:
+            self._materialise_pending(layer_idx)
+        if self.layers[layer_idx].tier is None:
+            self._start_plain_generate()
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _batch_map(self, name: str, arg) -> None:
+        with self._lock:
+            if not self._complete("residual"):
+                raise ValueError(f"LynxCache.{name} needs the whole prompt KV: the residual is still streaming")
+            for l in self.layers:
+                getattr(l, name)(arg)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        self._batch_map("reorder_cache", beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        self._batch_map("batch_select_indices", indices)
+
+    def batch_repeat_interleave(self, repeats: int):
+        self._batch_map("batch_repeat_interleave", repeats)
+
+    def _start_plain_generate(self) -> None:
+        """A forward pass without speculative_generate: the full tier, once it has landed; the first forward re-runs
+        the prompt's last position (get_seq_length said P - 1), whose streamed KV each layer keeps."""
+        warnings.warn(PLAIN_GENERATE_HINT, stacklevel=3)
+        self.pin_tier("full")
+
+    def pin_tier(self, tier: str = "full") -> "LynxCache":
+        """Serve plain decoding (`generate` without custom_generate, or forward passes) from one tier, never
+        drafting: wait for it, materialise it; the first forward re-runs the prompt's last position. "anchor"
+        decodes on the 4-bit anchor alone, unverified (the anchor-only ablation of the evaluation)."""
+        if tier not in ("anchor", "full"):
+            raise ValueError(f"tier must be 'anchor' or 'full', got {tier!r}")
+        if self.used:
+            raise ValueError("this LynxCache was already used for a generation; build a new one per request")
+        self.used = True
+        self.wait_residual() if tier == "full" else self.wait_anchors()
+        self.set_tier(tier)
+        for l in self.layers:
+            l.rerun = 1
+        self.close()  # everything this tier needs has landed (a pinned anchor never takes the residual)
+        return self
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    # -- convenience constructors: the prefill node's in-process side (lynx_hf.local) ------------------------------
+    @classmethod
+    def from_prefill(cls, model, input_ids: torch.Tensor, quant_config: LynxQuantConfig | None = None,
+                     residual_after_steps: int | None = None, attention_mask: torch.Tensor | None = None,
+                     spec_config: SpecConfig | None = None, bandwidth_bps: float | None = None, *,
+                     residual_after_tokens: int | None = None):
+        """Prefill locally in full precision, encode each layer's KV, and return (cache, first_token [B, 1]) with the
+        prefill's logits in the cache (first_token is their argmax, for callers that append it themselves).
+        The anchor lands at once; the residual after `residual_after_steps` draft steps (None: at once; the older
+        name `residual_after_tokens` is a deprecated alias), or, with bandwidth_bps (bits/s), both stream over a
+        simulated link in a background thread."""
+        from ..local import prefill
+
+        kv, logits = prefill(model, input_ids, attention_mask)
+        cache = cls.from_kv(model, input_ids.shape[1], kv, logits, quant_config, residual_after_steps, spec_config,
+                            bandwidth_bps, residual_after_tokens=residual_after_tokens)
+        return cache, logits.argmax(-1, keepdim=True)
+
+    @classmethod
+    def from_kv(cls, model, prompt_len: int, kv, logits: torch.Tensor, quant_config: LynxQuantConfig | None = None,
+                residual_after_steps: int | None = None, spec_config: SpecConfig | None = None,
+                bandwidth_bps: float | None = None, *, residual_after_tokens: int | None = None) -> "LynxCache":
+        """A cache of a `prompt_len`-token prompt fed by an InProcessLoader from `local.prefill`'s output (the KV
+        each layer needs, the last position's logits), e.g. to decode one prefill several times."""
+        from ..local import InProcessLoader
+
+        cache = cls.for_model(model, prompt_len, quant_config=quant_config,
+                              spec_config=spec_config, dtype=kv[0][0].dtype, device=kv[0][0].device)
+        cache.put_logits(logits)
+        InProcessLoader(kv, cache.quant_config, residual_after_steps, bandwidth_bps,
+                        residual_after_tokens=residual_after_tokens).attach(cache)
+        return cache

@@ -1,0 +1,96 @@
+"""`PromptStore`: one layer's encoded prompt as it arrives — anchor-stream segments (codes + metadata), their
+residuals, which prompt positions they cover and whether a tier is complete. Codes move to the cache's device when
+they are stored (through pinned host memory, without blocking the receiver), so a tier is dequantized where the
+model runs and only codes cross PCIe. Not thread-safe by itself: `LynxCache` calls it under its lock."""
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from ..quant import SplitKV, codec
+
+KINDS = ("key", "value")
+
+
+def stage(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`: host → accelerator copies go through pinned memory and do not block (the one place where
+    the decode side moves prompt data between devices)."""
+    if t.device == device:
+        return t
+    if t.device.type == "cpu" and device.type != "cpu" and torch.cuda.is_available():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+class PromptStore:
+    """Segments of prompt positions [offset, prompt_len) for keys and for values, each [start, start + S_seg)."""
+
+    def __init__(self, prompt_len: int, offset: int, device: torch.device):
+        self.prompt_len, self.offset, self.device = prompt_len, offset, device
+        self.held = prompt_len - offset
+        self.segments = {k: {} for k in KINDS}  # kind -> {start: SplitKV}
+        self._starts = {k: [] for k in KINDS}   # kind -> sorted segment starts
+        self._tokens = {k: 0 for k in KINDS}    # kind -> prompt positions covered by anchors
+        self.missing = 0                        # split segments whose residual has not arrived
+
+    def put_anchor(self, kind: str, start: int, split: SplitKV) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        end = start + split.shape[2]
+        if start < self.offset or end > self.prompt_len:
+            raise ValueError(f"segment [{start}, {end}) lies outside the layer's prompt KV [{self.offset}, "
+                             f"{self.prompt_len})")
+        starts, segs = self._starts[kind], self.segments[kind]  # coverage is a set of disjoint intervals
+        i = bisect.bisect_left(starts, start)
+        for s0 in starts[max(i - 1, 0): i + 1]:  # only the neighbours can overlap
+            if start < s0 + segs[s0].shape[2] and s0 < end:
+                raise ValueError(f"{kind} segment [{start}, {end}) overlaps [{s0}, {s0 + segs[s0].shape[2]}) (duplicate?)")
+        split = SplitKV(split.config, split.kind, split.shape, split.dtype, stage(split.anchor, self.device),
+                        None if split.residual is None else stage(split.residual, self.device),
+                        {n: stage(t, self.device) for n, t in split.meta.items()}, split.axis)
+        starts.insert(i, start)
+        segs[start] = split
+        self._tokens[kind] += split.shape[2]
+        self.missing += codec(split.config).split and split.residual is None
+
+    def put_residual(self, kind: str, start: int, residual: torch.Tensor) -> None:
+        seg = self.segments[kind].get(start) if kind in KINDS else None
+        if seg is None:
+            raise ValueError(f"residual for {kind} at token {start} arrived before its anchor")
+        if not codec(seg.config).split:
+            raise ValueError(f"method {seg.config.method!r} has no residual stream")
+        if seg.residual is not None:
+            raise ValueError(f"duplicate residual segment for {kind} at token {start}")
+        want = (*seg.shape[:3], seg.shape[3] // 2)
+        if tuple(residual.shape) != want or residual.dtype != torch.uint8:
+            raise ValueError(f"residual shape {tuple(residual.shape)} {residual.dtype}, expected {want} uint8")
+        seg.residual = stage(residual, self.device)
+        self.missing -= 1
+
+    def covered(self, kind: str) -> int:
+        """Prompt positions of `kind` that anchors cover."""
+        return self._tokens[kind]
+
+    def anchors_complete(self) -> bool:
+        return all(self._tokens[k] == self.held for k in KINDS)
+
+    def residual_complete(self) -> bool:
+        return self.anchors_complete() and self.missing == 0
+
+    def snapshot(self, kind: str) -> list[tuple[int, SplitKV]]:
+        """(start, segment) in prompt order: a list that later puts do not change (taken under the cache's lock)."""
+        return [(s0, self.segments[kind][s0]) for s0 in self._starts[kind]]
+
+    def nbytes(self) -> int:
+        """Bytes of both streams held (what crossed the wire)."""
+        return sum(s.nbytes("full") for kind in KINDS for s in self.segments[kind].values())
+
+    def select(self, fn) -> None:
+        """Apply a batch-dimension map (reorder, select, repeat) to every segment's codes and metadata."""
+        for kind in KINDS:
+            for seg in self.segments[kind].values():
+                seg.anchor, seg.meta = fn(seg.anchor), {n: fn(t) for n, t in seg.meta.items()}
+                if seg.residual is not None:
+                    seg.residual = fn(seg.residual)
+                seg.shape = (seg.anchor.shape[0], *seg.shape[1:])

@@ -1,0 +1,143 @@
+"""`speculative_generate`: the one draft → verify → decode loop that `model.generate(prompt, cache=LynxCache(...),
+custom_generate=speculative_generate, ...)` runs.
+
+The first token comes from the prefill's last-position logits, through the caller's logits processors and
+sampling, like any other token. Once all anchors are in, a drafter (greedy: a token tree; sampling: a chain) runs
+draft steps on the anchor tier while the residual streams in — at most `spec_config.max_draft_steps`, none once the
+residual is due within `verify_lead` steps (`DraftPolicy`). Then the anchor-phase tail is dropped, the prompt
+switches to the full tier layer by layer inside the verify pass (each layer as soon as its residual has landed, so
+verification overlaps the end of the transfer), and each row keeps what the full tier accepts plus one token.
+Decoding goes on with the full tier. The emitted tokens, scores and logits are those of plain `generate` on
+full-tier KV (greedy and every deterministic option), or follow its distribution (sampling). The loop owns the
+budget, the policy, stopping, streaming and telemetry; the drafters own their passes and their acceptance."""
+from __future__ import annotations
+
+import time
+
+from ..cache import LynxCache
+from .drafters import ChainDrafter, TreeDrafter
+from .masks import takes_custom_masks
+from .policy import DraftPolicy
+from .state import DecodeState
+
+
+def speculative_generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                         synced_gpus: bool = False, streamer=None, lynx_streamer=None, **model_kwargs):
+    """`custom_generate` entry point. input_ids: the prompt whose KV `cache` holds ([B, P]), or the prompt plus the
+    prefill's first token ([B, P + 1]). Every logits processor and stopping criterion applies to the first token,
+    to drafts and to verified tokens alike. Streaming: transformers 5.x forwards only a callable's *extra*
+    parameters, so `generate(streamer=...)` never reaches this function; pass the streamer as `lynx_streamer=`
+    (any Transformers streamer; a SpeculativeStreamer also gets the provisional drafts). For the same reason
+    `stop_strings=`/`tokenizer=` cannot reach generate's criteria builder; pass
+    `stopping_criteria=[StopStringCriteria(tokenizer, stops)]`. Rows of a batch accept drafts independently
+    (`cache.stats["accepted_per_row"]`); the scores of steps a finished, padded row did not run are −inf but 0 at
+    the pad token."""
+    gc = generation_config
+    cache = model_kwargs.get("cache")
+    if not isinstance(cache, LynxCache):
+        raise ValueError("speculative_generate needs cache=LynxCache(...) (e.g. from LynxCache.from_prefill)")
+    if (gc.num_beams or 1) > 1 or (gc.num_return_sequences or 1) > 1:
+        raise ValueError("speculative_generate decodes one sequence per prompt row: num_beams > 1 and "
+                         "num_return_sequences > 1 are not supported")
+    if gc.output_attentions or gc.output_hidden_states:
+        raise ValueError("speculative_generate does not return attentions or hidden states")
+    P, n_in = cache.prompt_len, input_ids.shape[1]
+    if n_in not in (P, P + 1):
+        raise ValueError(f"input_ids must be the {P} prompt tokens whose KV the cache holds (optionally followed by "
+                         f"the prefill's first token), got {n_in} tokens")
+    if cache.used:
+        raise ValueError("this LynxCache was already used for a generation; build a new one per request")
+    cache.used = True
+    cache.trace.start()
+    streamer = lynx_streamer if lynx_streamer is not None else streamer
+    s = DecodeState(model, input_ids, cache, model_kwargs.get("attention_mask"), logits_processor,
+                    stopping_criteria, gc, streamer)
+    try:
+        _run(s, bare=n_in == P)
+    except BaseException:
+        s.resolve(0)  # provisional drafts never become final when verification did not happen
+        raise
+    finally:
+        cache.close()
+        cache.trace.finish()
+        if streamer is not None:
+            streamer.end()
+    ids = s.sequences()
+    if gc.return_dict_in_generate:
+        from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+        T = ids.shape[1]
+        return GenerateDecoderOnlyOutput(
+            sequences=ids, cache=cache,
+            scores=s.stacked(s.scores, n_in, T) if s.scores is not None else None,
+            logits=s.stacked(s.logits, n_in, T) if s.logits is not None else None)
+    return ids
+
+
+def _run(s: DecodeState, bare: bool) -> None:
+    cache, spec, stats = s.cache, s.cache.spec_config, s.cache.stats
+    if s.streamer is not None:
+        s.streamer.put(s.seq[:, :s.P].cpu())
+    if bare:  # the first token, from the prefill's logits (no KV needed yet)
+        logits = cache.wait_logits()
+        if logits.shape[0] != s.B:
+            raise ValueError(f"the prefill's logits have {logits.shape[0]} rows, input_ids {s.B}")
+        logits = logits.to(s.seq.device)
+        scores = s.process(logits, s.seq[:, :s.P])
+        s.emit(s.pick(scores)[0], scores, logits)
+    else:  # the caller appended the prefill's first token
+        done = s.sc(s.seq[:, :s.P + 1], None)
+        for b, d in enumerate(done.tolist()):
+            if d:
+                s.finished[b], s.finish_len[b], s.parked[b] = True, s.P + 1, s.pad is not None
+    s.flush()
+    if s.all_done():
+        return
+    cache.wait_anchors()
+    stats.anchors_at_s = cache.trace.since()
+    if spec.draft_while_waiting and spec.max_draft_steps > 0 and not cache.residual_ready():
+        cache.set_tier("anchor")
+        _draft_and_verify(s, spec)
+    else:
+        cache.wait_residual()
+        cache.set_tier("full")
+    while not s.all_done():  # ordinary decoding on the full tier; the cache holds every verified token but the last
+        n = list(s.n)
+        logits = s.forward(s.last_tokens(), s.position([m - 1 for m in n])[:, None], 1)[:, -1]
+        scores = s.process(logits, s.row_contexts)
+        s.emit(s.pick(scores)[0], scores, logits)
+        s.flush()
+
+
+def use_tree(s: DecodeState) -> bool:
+    spec = s.cache.spec_config
+    return not s.do_sample and (spec.tree_width > 1 or spec.tree_branch > 1) and takes_custom_masks(s.model)
+
+
+def _draft_and_verify(s: DecodeState, spec) -> None:
+    """Draft steps on the anchor tier while the residual is (not nearly) in, then one verification pass."""
+    cache, trace = s.cache, s.cache.trace
+    drafter = TreeDrafter(s) if use_tree(s) else ChainDrafter(s)
+    budget = spec.max_draft_steps if s.max_length is None else min(spec.max_draft_steps, s.max_length - drafter.n0)
+    policy = DraftPolicy(cache)
+    while drafter.steps < budget and drafter.can_step() and policy.another_step():
+        t = time.perf_counter()
+        drafter.step()
+        drafter.steps += 1
+        trace.mark("draft")
+        trace.stats.drafted += 1
+        policy.stepped(time.perf_counter() - t)
+        cache.notify_drafted(drafter.steps)
+    cache.need_residual()  # a step-count schedule releases the residual now; a real link just goes on
+    t = trace.mark("verify_start")
+    s.drop_tail(s.P)  # the draft-phase tail was computed against the anchor tier
+    cache.set_full_tier_per_layer()  # the verify pass runs each layer once its residual is in
+    live = s.active_rows()
+    accepted, stood = drafter.verify()
+    trace.stats.verify_s += time.perf_counter() - t
+    trace.stats.rounds += 1
+    trace.stats.accepted_per_row = [int(a) for a in accepted]
+    counted = [a for a, l in zip(accepted, live) if l]
+    trace.stats.accepted = sum(counted) / len(counted) if counted else 0
+    s.resolve(stood)
+    s.flush()

@@ -1,0 +1,145 @@
+"""The prefill node's in-process side: the full-precision prefill and what it ships.
+
+`prefill` runs the forward pass and keeps, per layer, the prompt KV that layer needs (`PromptCapture`: all P
+positions for full attention, the last min(P, W) for a sliding window W) and the last position's logits.
+`InProcessLoader` encodes that KV and delivers it to a LynxCache in this process on a step-count or
+bandwidth-simulated schedule (anchor first); the network path (lynx_hf.transfer) is the other way to fill a cache."""
+from __future__ import annotations
+
+import threading
+import warnings
+
+import torch
+from transformers import DynamicCache
+
+from .arch import held_positions, layer_windows
+from .config import LynxQuantConfig
+from .link import LinkEmulator
+from .loader import Loader
+from .quant import SplitKV, encode
+
+
+class PromptCapture(DynamicCache):
+    """A DynamicCache for the prefill forward that hands each layer's needed prompt KV to `on_layer(i, k, v)` as
+    soon as the layer has produced it (k, v: [B, H_kv, held_i, D], the last held_i positions of the prompt)."""
+
+    def __init__(self, config, on_layer, prompt_len: int):
+        super().__init__(config=config)
+        self.on_layer, self.prompt_len = on_layer, prompt_len
+        self.held = [held_positions(prompt_len, w) for w in layer_windows(config)]
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if key_states.shape[-2] == self.prompt_len:  # the prompt's own forward pass
+            n = self.held[layer_idx]
+            self.on_layer(layer_idx, key_states[:, :, -n:], value_states[:, :, -n:])
+        return out
+
+
+@torch.no_grad()
+def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+    """Full-precision prefill: ([(K, V)] per layer, each [B, H_kv, held_i, D]; last-position logits [B, V] in the
+    model's dtype) — the prefill node's own work."""
+    kv = {}
+    cap = PromptCapture(model.config, lambda i, k, v: kv.__setitem__(i, (k, v)), input_ids.shape[1])
+    kw = {}
+    if attention_mask is not None:
+        kw = {"attention_mask": attention_mask, "position_ids": (attention_mask.long().cumsum(-1) - 1).clamp_min(0)}
+    out = model(input_ids=input_ids, cache=cap, use_cache=True, logits_to_keep=1, **kw)
+    return [kv[i] for i in range(len(kv))], out.logits[:, -1]
+
+
+def encode_layers(kv, config: LynxQuantConfig):
+    """[(K, V)] → [(SplitKV_K, SplitKV_V)]."""
+    return [(encode(k, config, "key"), encode(v, config, "value")) for k, v in kv]
+
+
+def anchor_only(split):
+    """The anchor-stream view of a SplitKV (what travels first): same codes and metadata, no residual."""
+    return SplitKV(split.config, split.kind, split.shape, split.dtype, split.anchor, None, split.meta, split.axis)
+
+
+def steps_alias(steps: int | None, tokens: int | None) -> int | None:
+    """`residual_after_steps`, or its deprecated alias `residual_after_tokens` (it always counted draft steps)."""
+    if tokens is not None:
+        if steps is not None:
+            raise ValueError("pass residual_after_steps or residual_after_tokens (its deprecated alias), not both")
+        warnings.warn("residual_after_tokens is deprecated: it counts draft steps; use residual_after_steps",
+                      DeprecationWarning, stacklevel=3)
+        return tokens
+    return steps
+
+
+class InProcessLoader(Loader):
+    """Delivers a local prefill's encoded KV: the anchor at once and the residual after `residual_after_steps`
+    draft steps (None: at once), or both over a simulated link of `bandwidth_bps` bits/s (anchor first)."""
+
+    def __init__(self, kv, config: LynxQuantConfig, residual_after_steps: int | None = None,
+                 bandwidth_bps: float | None = None, latency_s: float = 0.0, *,
+                 residual_after_tokens: int | None = None):
+        residual_after_steps = steps_alias(residual_after_steps, residual_after_tokens)
+        if residual_after_steps is not None and residual_after_steps < 0:
+            raise ValueError("residual_after_steps must be >= 0 or None")
+        if bandwidth_bps is not None and bandwidth_bps <= 0:
+            raise ValueError("bandwidth_bps must be > 0")
+        self.splits = encode_layers(kv, config)
+        self.after, self.bw, self.latency = residual_after_steps, bandwidth_bps, latency_s
+        self._released, self._thread = False, None
+        self._stop = threading.Event()
+
+    def attach(self, cache) -> "InProcessLoader":
+        self.cache = cache
+        cache.loader = self
+        # each layer's KV ends at the prompt's last position: a sliding layer's starts at P - held
+        self.starts = [cache.prompt_len - sk.shape[2] for sk, _ in self.splits]
+        if self.bw is not None:
+            self._thread = threading.Thread(target=self._link, name="lynx-inprocess-link", daemon=True)
+            self._thread.start()
+            return self
+        self._anchors()
+        if self.after is None or self.after == 0:
+            self._residual()
+        return self
+
+    def _anchors(self):
+        for i, (sk, sv) in enumerate(self.splits):
+            self.cache.put_anchor(i, "key", self.starts[i], anchor_only(sk))
+            self.cache.put_anchor(i, "value", self.starts[i], anchor_only(sv))
+
+    def _residual(self):
+        if self._released:
+            return
+        self._released = True
+        for i, (sk, sv) in enumerate(self.splits):
+            if sk.residual is not None:
+                self.cache.put_residual(i, "key", self.starts[i], sk.residual)
+                self.cache.put_residual(i, "value", self.starts[i], sv.residual)
+
+    def _link(self):
+        """Anchor of every layer, then residual of every layer, over one link of `bw` bits/s (strict priority)."""
+        link = LinkEmulator(self.bw, self.latency)
+        try:
+            for stream in ("anchor", "residual"):
+                for i, (sk, sv) in enumerate(self.splits):
+                    for kind, s in (("key", sk), ("value", sv)):
+                        n = s.nbytes("anchor") if stream == "anchor" else s.nbytes("full") - s.nbytes("anchor")
+                        if link.pace(n, self._stop):
+                            return
+                        if stream == "anchor":
+                            self.cache.put_anchor(i, kind, self.starts[i], anchor_only(s))
+                        elif s.residual is not None:
+                            self.cache.put_residual(i, kind, self.starts[i], s.residual)
+            self._released = True
+        except Exception as e:  # surfaced to the decoding thread
+            self.cache.fail(e)
+
+    def on_draft(self, n: int) -> None:
+        if self.bw is None and self.after is not None and n >= self.after:
+            self._residual()
+
+    def on_wait(self) -> None:
+        if self.bw is None:
+            self._residual()
+
+    def close(self) -> None:
+        self._stop.set()
