@@ -1,6 +1,7 @@
 """speculative_generate's control flow with a scripted fake model whose next token depends on the KV tier, in
 milliseconds: residual arriving mid-draft, EOS among drafts (rejected and accepted), length limits, one row
 finishing early, a loader failing mid-draft, stats and the provisional stream."""
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -54,15 +55,16 @@ class FailingLoader(InProcessLoader):
 CHAIN = SpecConfig(tree_width=1, tree_branch=1)
 
 
-def generate(full, anchor, after, max_new, eos=None, streamer=None, loader=InProcessLoader, spec=None):
+def generate(full, anchor, after, max_new, eos=None, streamer=None, loader=InProcessLoader, spec=None, model=None,
+             do_sample=False):
     B = len(full)
-    model = ScriptedLM(full, anchor)
+    model = model or ScriptedLM(full, anchor)
     cache = LynxCache(1, P, Q(), spec_config=spec, timeout_s=5)
     g = torch.Generator().manual_seed(0)
     loader([(torch.randn(B, 1, P, 2, generator=g), torch.randn(B, 1, P, 2, generator=g))], Q(),
            residual_after_steps=after).attach(cache)
     cache.put_logits(torch.stack([torch.nn.functional.one_hot(torch.tensor(r[0]), V).float() * 20 for r in full]))
-    gc = GenerationConfig(max_new_tokens=max_new, do_sample=False, pad_token_id=PAD, eos_token_id=eos)
+    gc = GenerationConfig(max_new_tokens=max_new, do_sample=do_sample, pad_token_id=PAD, eos_token_id=eos)
     gc._pad_token_tensor = torch.tensor(PAD)
     sc = StoppingCriteriaList([MaxLengthCriteria(P + max_new)] + ([EosTokenCriteria(eos)] if eos is not None else []))
     ids = torch.full((B, P), 5)
@@ -183,3 +185,62 @@ def test_residual_landing_before_the_first_tree_step(monkeypatch):
     monkeypatch.setattr(DraftPolicy, "another_step", lambda self: False)
     got, st, _ = generate([FULL], [[9] * 12], after=4, max_new=6)
     assert got == [FULL[:6]] and (st["drafted"], st["accepted"], st["rounds"]) == (0, 0, 1)
+
+
+@pytest.mark.parametrize("spec", [None, CHAIN], ids=["tree", "chain"])
+def test_rows_accept_independently(spec):
+    """Row 0's anchor tier is wrong at g = 2, row 1's never: row 1 keeps all its drafts (ragged acceptance), row 0
+    its first, and both equal the full tier."""
+    full = [FULL, [7, 8, 9, 10, 11, 12, 13, 2, 3, 4, 5, 6]]
+    anchor = [[2, 3, 9, 5, 6, 7, 8, 9, 10, 11, 12, 13], full[1]]
+    got, st, _ = generate(full, anchor, after=5, max_new=9, spec=spec)
+    assert got == [r[:9] for r in full]
+    assert st["accepted_per_row"] == [1, 5] and st["accepted"] == 3.0
+
+
+def test_lock_step_where_attention_takes_no_custom_mask():
+    """An attention implementation that cannot take the engine's 4D masks: every row keeps what all accepted."""
+    full = [FULL, [7, 8, 9, 10, 11, 12, 13, 2, 3, 4, 5, 6]]
+    anchor = [[2, 3, 9, 5, 6, 7, 8, 9, 10, 11, 12, 13], full[1]]
+    model = ScriptedLM(full, anchor)
+    model.config._attn_implementation = "flash_attention_2"
+    got, st, _ = generate(full, anchor, after=5, max_new=9, model=model)
+    assert got == [r[:9] for r in full] and st["accepted_per_row"] == [1, 1]
+
+
+def test_rows_finish_at_different_lengths_and_pad_like_plain_generate():
+    """Row 1 accepts its EOS among the drafts while row 0 goes on: row 1 is padded from there, row 0 runs to the
+    length limit, and the output is as long as lock-step generate's."""
+    full = [FULL, [7, 8, EOS, 10, 11, 12, 13, 2, 3, 4, 5, 6]]
+    got, st, _ = generate(full, full, after=4, max_new=8, eos=EOS)
+    assert got == [FULL[:8], [7, 8, EOS] + [PAD] * 5]
+
+
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling"])
+def test_verify_pass_starts_before_the_residual_lands(do_sample):
+    """Both drafters verify layer by layer: the verify pass is entered while the residual is still in flight (the
+    loader releases it only once that pass has started) — the transfer/verify overlap, for sampling too."""
+    started = threading.Event()
+
+    class LateResidual(InProcessLoader):
+        def on_wait(self):
+            if not self._released:
+                self._released = True
+                threading.Thread(target=lambda: (started.wait(5), self._release())).start()
+
+        def _release(self):
+            self._released = False
+            self._residual()
+
+    class Watching(ScriptedLM):
+        def __call__(self, input_ids, cache, **kw):
+            if cache.layers[0].tier == "anchor" and input_ids.shape[1] > 1:  # the verify pass
+                self.ready_at_verify = cache.residual_ready()
+                started.set()
+            return super().__call__(input_ids, cache, **kw)
+
+    model = Watching([FULL], [FULL])
+    got, st, _ = generate([FULL], [FULL], after=100, max_new=6, loader=LateResidual, model=model,
+                          spec=CHAIN if do_sample else None, do_sample=do_sample)
+    assert model.ready_at_verify is False and st["rounds"] == 1 and st["drafted"] >= 1
+    assert got == [FULL[:6]]  # one-hot logits: sampling is exact here too

@@ -3,7 +3,8 @@ re-indexing, the ancestor mask and the child lookup. Exact (integer bookkeeping;
 import pytest
 import torch
 
-from lynx_hf.tree import NO_NODE, ROOT, Tree, best_subtree, child_with_token, restrict
+from lynx_hf.spec import UNUSED
+from lynx_hf.tree import NO_NODE, ROOT, Tree, best_subtree, child_with_token, restrict, walk_tree
 
 B, V = 3, 11
 
@@ -134,3 +135,44 @@ def test_an_empty_tree_verifies_the_root_alone():
     assert nodes.shape == (B, 0)
     tok, par, dep = restrict(tree, nodes)
     assert tok.shape == par.shape == dep.shape == (B, 0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_walk_tree_is_the_longest_path_the_target_agrees_with(seed):
+    """walk_tree against brute force over every root-to-node path: accepted = the longest path whose every node
+    carries the target's choice after its parent; tokens = that path's tokens, then the choice after its last node;
+    every row emits accepted + 1 tokens (rows independent). Targets copy tree tokens often, so paths run deep."""
+    tree = grow(5, 3, 4, seed=seed)
+    nodes = best_subtree(tree, 40)
+    tok, par, dep = restrict(tree, nodes)
+    g = torch.Generator().manual_seed(100 + seed)
+    n = tok.shape[1]
+    choice = torch.randint(0, V, (B, n + 1), generator=g)
+    for b in range(B):  # make the target agree with some child of most nodes
+        for j in range(-1, n):
+            kids = [i for i in range(n) if int(par[b, i]) == j]
+            if kids and torch.rand(1, generator=g) < 0.8:
+                choice[b, j + 1] = tok[b, kids[int(torch.randint(len(kids), (1,), generator=g))]]
+    accepted, path, out = walk_tree(par, tok, choice)
+    for b in range(B):
+        def agrees(i):  # node i carries the target's choice after its parent, and so does every ancestor
+            p = int(par[b, i])
+            return int(tok[b, i]) == int(choice[b, p + 1]) and (p == ROOT or agrees(p))
+        best = max([[]] + [[k for k in range(n) if k in anc] for i in range(n) if agrees(i)
+                           for anc in [set(_ancestry(par[b], i))]], key=len)
+        best = sorted(best, key=lambda i: int(dep[b, i]))
+        assert int(accepted[b]) == len(best)
+        assert path[b, :len(best)].tolist() == best and (path[b, len(best):] == -1).all()
+        last = best[-1] if best else ROOT
+        assert out[b, :len(best)].tolist() == [int(tok[b, i]) for i in best]
+        assert int(out[b, len(best)]) == int(choice[b, last + 1])
+        assert (out[b, len(best) + 1:] == UNUSED).all()
+    assert int(accepted.max()) >= 2  # the walk went deep somewhere (the case is not trivial)
+
+
+def _ancestry(parent_row, i):
+    out = []
+    while i != ROOT:
+        out.append(i)
+        i = int(parent_row[i])
+    return out
