@@ -27,6 +27,7 @@ def _rank(rank: int, port: int, backend: str, device: str, tokens: int, new_toke
     import torch.distributed as dist
 
     import lynx_hf
+    import lynx_hf.arch
     from lynx_hf import LynxQuantConfig
     from lynx_hf.arch import fingerprint
     from lynx_hf.transfer.decode import DecodeClient
@@ -49,10 +50,16 @@ def _rank(rank: int, port: int, backend: str, device: str, tokens: int, new_toke
                 "Lynx": cli.generate(ids, LynxQuantConfig(), new_tokens),
                 "Lynx, full tier only": cli.generate(ids, LynxQuantConfig(), new_tokens, speculative=False)}
         cli.close()
-        out = {k: {m: r[m] for m in ("ttft_s", "ttft_verified_s", "tt32t_s", "bytes")} | {
+        # PCIe: what the decode process moved host → GPU for the prompt's KV (the cache's stores are the one place),
+        # next to what the dequantized KV would have been
+        c = model.config
+        kv_float = 2 * c.num_hidden_layers * c.num_key_value_heads * len(ids) * lynx_hf.arch.head_dim(c) * \
+            next(model.parameters()).element_size()
+        out = {k: {m: r[m] for m in ("ttft_s", "ttft_verified_s", "tt32t_s", "bytes", "h2d_bytes")} | {
             "drafted": r["stats"]["drafted"], "accepted": r["stats"]["accepted"]} for k, r in runs.items()}
         out["identical_to_full"] = runs["Lynx"]["tokens"] == runs["Lynx, full tier only"]["tokens"]
         out["backend"], out["device"], out["tokens"] = backend, dev, len(ids)
+        out["kv_float_bytes"] = kv_float
         q.put(out)
     except BaseException as e:  # noqa: BLE001 — reported by the parent
         q.put({"error": f"rank {rank}: {type(e).__name__}: {e}"})

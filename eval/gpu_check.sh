@@ -4,7 +4,8 @@
 #   2. their GB/s next to the GPU's copy_ bandwidth (lynx-hf bench codec --device cuda; HBM peak from nvidia-smi);
 #   3. the end-to-end Lynx path with the default model on the GPU: two processes over torch.distributed
 #      (eval/dist_pair.py; NCCL when two GPUs are visible, else gloo for the transport, models on CUDA),
-#      INT8 vs Lynx timings and Lynx = full tier.
+#      INT8 vs Lynx timings, Lynx = full tier, and the PCIe bytes: what the decode side moved host → GPU for the
+#      prompt (h2d_bytes: codes and metadata, dequantized on the GPU) next to the dequantized KV (kv_float_bytes).
 # Everything it prints also lands in $OUT (default runs/gpu_check). Set-up: an existing CUDA torch is reused
 # (a venv with --system-site-packages); otherwise pip brings one.
 set -euo pipefail

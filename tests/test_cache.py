@@ -72,17 +72,20 @@ def test_segments_are_checked():
 def test_readiness_from_another_thread_and_failures():
     data = encode_layers(kv(L=1), Q())
     cache = LynxCache(1, 70, timeout_s=5)
+    go, anchors_seen = threading.Event(), threading.Event()
 
     def feed():
-        time.sleep(0.2)
+        go.wait(5)
         cache.put_anchor(0, "key", 0, anchor_only(data[0][0]))
         cache.put_anchor(0, "value", 0, anchor_only(data[0][1]))
-        time.sleep(0.2)
+        anchors_seen.wait(5)
         cache.fail(ConnectionError("peer vanished mid-residual"))
 
     threading.Thread(target=feed).start()
     assert not cache.anchors_ready()  # non-blocking
+    go.set()
     cache.wait_anchors()
+    anchors_seen.set()
     with pytest.raises(LoaderError, match="peer vanished"):
         cache.wait_residual()
     with pytest.raises(LoaderError):
@@ -196,3 +199,85 @@ def test_a_used_cache_is_freed_by_reference_counting(model_and_tok):
             assert ref() is None, how
     finally:
         gc.enable()
+
+
+def test_the_receiver_keeps_putting_while_a_tier_is_materialised(monkeypatch):
+    """Dequantization runs outside the cache's lock: while set_tier is inside a (held) dequantization, the loader's
+    thread stores the whole residual. Scripted with events; on a lock held throughout, the puts would block."""
+    import lynx_hf.cache.layer as layer_mod
+
+    data = encode_layers(kv(L=2), Q())
+    cache = LynxCache(2, 70)
+    for i, (sk, sv) in enumerate(data):
+        cache.put_anchor(i, "key", 0, anchor_only(sk))
+        cache.put_anchor(i, "value", 0, anchor_only(sv))
+    inside, release = threading.Event(), threading.Event()
+    real = layer_mod.decode
+
+    def held(seg, tier, **kw):
+        inside.set()
+        release.wait(10)
+        return real(seg, tier, **kw)
+
+    monkeypatch.setattr(layer_mod, "decode", held)
+    tier = threading.Thread(target=cache.set_tier, args=("anchor",))
+    tier.start()
+    assert inside.wait(10)
+
+    def put_residuals():
+        for i, (sk, sv) in enumerate(data):
+            cache.put_residual(i, "key", 0, sk.residual)
+            cache.put_residual(i, "value", 0, sv.residual)
+
+    receiver = threading.Thread(target=put_residuals)
+    receiver.start()
+    receiver.join(10)
+    done_while_held = not receiver.is_alive() and cache.residual_ready()
+    release.set()
+    tier.join(10)
+    assert done_while_held and cache.layers[1].tier == "anchor"
+
+
+def test_codes_cross_devices_and_dequantized_kv_does_not(monkeypatch):
+    """The network path's tensors arrive on the host; a cache on another device (here `meta`, the stand-in for a
+    GPU) stages the codes and metadata there as they are stored, and dequantizes on that device into its own
+    buffers: no floating-point tensor of the KV's size crosses devices."""
+    import lynx_hf.cache.layer as layer_mod
+
+    data = kv(L=2, B=1)
+    splits = encode_layers(data, Q())
+    cache = LynxCache(2, 70, device="meta")
+    crossings = []
+    real_to = torch.Tensor.to
+
+    def spy_to(self, *a, **k):
+        out = real_to(self, *a, **k)
+        if out.device != self.device:
+            crossings.append((self.dtype, self.numel()))
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "to", spy_to)
+    for i, (sk, sv) in enumerate(splits):
+        for kind, s in (("key", sk), ("value", sv)):
+            cache.put_anchor(i, kind, 0, anchor_only(s))
+            cache.put_residual(i, kind, 0, s.residual)
+    seg = cache.layers[0].store.segments["key"][0]
+    assert seg.anchor.device.type == seg.residual.device.type == "meta"
+    dequantized = []
+    monkeypatch.setattr(layer_mod, "decode", lambda seg, tier, out: dequantized.append(
+        (seg.anchor.device.type, out.device.type)) or out)
+    cache.set_tier("full")
+    kv_numel = data[0][0].numel()
+    assert crossings and all(dt == torch.uint8 or n < kv_numel // 8 for dt, n in crossings)  # codes, small meta
+    assert sum(n for dt, n in crossings if dt == torch.uint8) == sum(
+        s.anchor.numel() + s.residual.numel() for pair in splits for s in pair)
+    assert dequantized == [("meta", "meta")] * 4 and cache.layers[0].keys.device.type == "meta"
+    assert cache.staged_bytes() == sum(s.nbytes("full") for pair in splits for s in pair)
+
+
+def test_batch_maps_refuse_while_the_residual_streams():
+    cache = LynxCache(2, 70)
+    InProcessLoader(kv(), Q(), residual_after_steps=3).attach(cache)
+    cache.set_tier("anchor")
+    with pytest.raises(ValueError, match="residual is still streaming"):
+        cache.batch_select_indices(torch.tensor([0]))

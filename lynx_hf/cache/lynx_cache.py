@@ -223,6 +223,11 @@ class LynxCache(Cache):
         with self._lock:
             return sum(l.store.nbytes() for l in self.layers)
 
+    def staged_bytes(self) -> int:
+        """Bytes the stores moved onto the cache's device (codes and metadata; never dequantized KV)."""
+        with self._lock:
+            return sum(l.store.staged_bytes for l in self.layers)
+
     # -- Transformers' Cache ------------------------------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if self._pending_full[layer_idx]:

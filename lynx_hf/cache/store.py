@@ -33,6 +33,12 @@ class PromptStore:
         self._starts = {k: [] for k in KINDS}   # kind -> sorted segment starts
         self._tokens = {k: 0 for k in KINDS}    # kind -> prompt positions covered by anchors
         self.missing = 0                        # split segments whose residual has not arrived
+        self.staged_bytes = 0                   # bytes moved here from another device (codes and metadata)
+
+    def _stage(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device != self.device:
+            self.staged_bytes += t.numel() * t.element_size()
+        return stage(t, self.device)
 
     def put_anchor(self, kind: str, start: int, split: SplitKV) -> None:
         if kind not in KINDS:
@@ -46,9 +52,9 @@ class PromptStore:
         for s0 in starts[max(i - 1, 0): i + 1]:  # only the neighbours can overlap
             if start < s0 + segs[s0].shape[2] and s0 < end:
                 raise ValueError(f"{kind} segment [{start}, {end}) overlaps [{s0}, {s0 + segs[s0].shape[2]}) (duplicate?)")
-        split = SplitKV(split.config, split.kind, split.shape, split.dtype, stage(split.anchor, self.device),
-                        None if split.residual is None else stage(split.residual, self.device),
-                        {n: stage(t, self.device) for n, t in split.meta.items()}, split.axis)
+        split = SplitKV(split.config, split.kind, split.shape, split.dtype, self._stage(split.anchor),
+                        None if split.residual is None else self._stage(split.residual),
+                        {n: self._stage(t) for n, t in split.meta.items()}, split.axis)
         starts.insert(i, start)
         segs[start] = split
         self._tokens[kind] += split.shape[2]
@@ -65,7 +71,7 @@ class PromptStore:
         want = (*seg.shape[:3], seg.shape[3] // 2)
         if tuple(residual.shape) != want or residual.dtype != torch.uint8:
             raise ValueError(f"residual shape {tuple(residual.shape)} {residual.dtype}, expected {want} uint8")
-        seg.residual = stage(residual, self.device)
+        seg.residual = self._stage(residual)
         self.missing -= 1
 
     def covered(self, kind: str) -> int:

@@ -169,6 +169,7 @@ class DecodeClient:
                 "ttft_s": gen[0], "ttft_verified_s": ver[0], "tt32t_s": ver[min(32, len(ver)) - 1],
                 "prefill_s": loader.prefill_s, "stats": cache.stats.as_dict(), "events": list(cache.events),
                 "timeline": list(cache.timeline), "bytes": cache.nbytes(),
+                "h2d_bytes": cache.staged_bytes(),
                 "loader_error": None if loader.error is None else str(loader.error)}
 
     def close(self) -> None:

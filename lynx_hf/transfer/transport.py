@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import queue
+import select
 import socket
 import ssl
 import threading
@@ -97,11 +98,17 @@ class Transport:
 
 
 class TcpTransport(Transport):
-    """One TCP connection carrying every stream; the anchor's frames are marked DSCP EF."""
+    """One TCP connection carrying every stream; the anchor's frames are marked DSCP EF. The socket's own timeout
+    bounds each send (`send_timeout_s`, set once); a receive's deadline is enforced by polling for readability, so
+    the receiving thread never changes what the sending thread runs under."""
 
-    def __init__(self, sock: socket.socket, link: LinkEmulator | None = None):
+    def __init__(self, sock: socket.socket, link: LinkEmulator | None = None, send_timeout_s: float = 60.0):
         self.sock = sock
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(send_timeout_s)
+        self._poll = select.poll() if hasattr(select, "poll") else None
+        if self._poll is not None:
+            self._poll.register(sock, select.POLLIN | select.POLLPRI)
         self._tos = None
         super().__init__(link)
 
@@ -122,9 +129,22 @@ class TcpTransport(Transport):
         self._mark(priority)
         self.sock.sendall(frame)
 
-    def _read_some(self, n: int) -> bytes:
-        """Up to n bytes of the stream (b"" at its end); the socket's timeout applies."""
-        return self.sock.recv(min(n, 1 << 20))
+    def _recv_raw(self, n: int, deadline: float | None) -> bytes:
+        """Up to n bytes from the socket (b"" at its end), waiting for them until `deadline` (monotonic)."""
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise socket.timeout("receive deadline passed")
+            if self._poll is not None:
+                ready = self._poll.poll(None if left is None else max(1, int(left * 1000)))
+            else:
+                ready = select.select([self.sock], [], [], left)[0]
+            if ready:
+                return self.sock.recv(n)
+
+    def _read_some(self, n: int, deadline: float | None) -> bytes:
+        """Up to n bytes of the stream (b"" at its end) before `deadline`."""
+        return self._recv_raw(min(n, 1 << 20), deadline)
 
     def recv(self, timeout: float | None = 30.0, limit: int = MAX_PAYLOAD):
         """One frame within `timeout` seconds in all: a peer trickling bytes cannot stretch it."""
@@ -133,13 +153,8 @@ class TcpTransport(Transport):
         def read_exact(n: int) -> bytes:
             buf = bytearray()
             while len(buf) < n:
-                if deadline is not None:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise TimeoutError(f"no whole frame from the peer within {timeout} s")
-                    self.sock.settimeout(left)
                 try:
-                    chunk = self._read_some(n - len(buf))
+                    chunk = self._read_some(n - len(buf), deadline)
                 except socket.timeout:
                     raise TimeoutError(f"no whole frame from the peer within {timeout} s") from None
                 except OSError as e:
@@ -188,7 +203,7 @@ class TlsTcpTransport(TcpTransport):
                     break
                 except ssl.SSLWantReadError:
                     self._flush()
-                    self._pull()
+                    self._pull(sock.recv(1 << 16))  # the handshake runs under the socket's own timeout
         except (ssl.SSLError, OSError) as e:
             sock.close()
             raise ConnectionError(f"TLS handshake failed: {e}") from None
@@ -201,8 +216,8 @@ class TlsTcpTransport(TcpTransport):
             if data:
                 self.sock.sendall(data)
 
-    def _pull(self) -> None:
-        raw = self.sock.recv(1 << 16)
+    def _pull(self, raw: bytes) -> None:
+        """Feed ciphertext from the socket (b"": its end) to the TLS layer."""
         with self._tls_lock:
             self._in.write(raw) if raw else self._in.write_eof()
 
@@ -214,7 +229,7 @@ class TlsTcpTransport(TcpTransport):
                 data = self._out.read()
             self.sock.sendall(data)
 
-    def _read_some(self, n: int) -> bytes:
+    def _read_some(self, n: int, deadline: float | None) -> bytes:
         while True:
             with self._tls_lock:
                 try:
@@ -224,7 +239,7 @@ class TlsTcpTransport(TcpTransport):
                 except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
                     return b""
             self._flush()  # whatever the TLS layer has to say first (e.g. a key update)
-            self._pull()
+            self._pull(self._recv_raw(1 << 16, deadline))
 
     def _goodbye(self) -> None:
         try:
