@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 import lynx_hf
 from lynx_hf.transfer.decode import DecodeClient
+from lynx_hf.errors import ConfigError
 
 from .demo import METHODS, default_prompt_text, prefill_child
 
@@ -179,7 +180,7 @@ def run(links_mbps=LINKS_MBPS, contexts=CONTEXTS, prompts=("code", "shakespeare"
     ids = {p: tok(t[: 8 * max(contexts)]).input_ids for p, t in texts.items()}
     for p, v in ids.items():
         if len(v) < min(max(contexts), max_ctx):
-            raise ValueError(f"prompt {p!r} has only {len(v)} tokens, fewer than the longest context")
+            raise ConfigError(f"prompt {p!r} has only {len(v)} tokens, fewer than the longest context")
     todo = [(l, p, c, m) for l in links_mbps for p in texts for c in contexts for m, _, _ in PLAN
             if (l, p, c, m) not in done]
     say(f"{len(done)} results in {results}; {len(todo)} requests to go")

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 import lynx_hf
 from lynx_hf import LynxQuantConfig
+from lynx_hf.errors import ConfigError
 
 from . import kvprobe
 
@@ -40,7 +41,7 @@ def search(score, start: LynxQuantConfig, budget: int, progress=None) -> tuple[L
     """Coordinate descent. score(cfg) → (kl, -accepted_prefix, ...) tuple to minimise. Returns (best, its score
     dict, every (config dict, score) tried). Pure: `score` is the only contact with a model."""
     if budget < 1:
-        raise ValueError(f"budget must be >= 1, got {budget}")
+        raise ConfigError(f"budget must be >= 1, got {budget}")
     tried: dict = {}
 
     def measure(cfg: LynxQuantConfig):
@@ -81,7 +82,7 @@ def run(model_name: str | None = None, text: str | None = None, budget: int = 24
     ids = tok(body, return_tensors="pt").input_ids
     need = 2 * sum(contexts)
     if ids.shape[1] < need:
-        raise ValueError(f"{path} has {ids.shape[1]} tokens; calibration and validation at {list(contexts)} need "
+        raise ConfigError(f"{path} has {ids.shape[1]} tokens; calibration and validation at {list(contexts)} need "
                          f"{need}")
     probes, held_out, at = [], [], 0
     for group in (probes, held_out):  # disjoint stretches of the text: search on the first, validate on the next

@@ -11,6 +11,7 @@ import torch
 from tqdm import tqdm
 
 from lynx_hf import LynxQuantConfig, load_default_model
+from lynx_hf.errors import ConfigError
 
 from .kvprobe import make_probe, score
 
@@ -33,7 +34,7 @@ def run(text_path, contexts=(512, 1024, 2048, 4096), gen=32, ablation=True, mode
     text = open(text_path, encoding="utf-8", errors="replace").read()
     ids_all = tok(text[: 8 * max(contexts) + 1000], return_tensors="pt").input_ids
     if ids_all.shape[1] < max(contexts):
-        raise ValueError(f"{text_path} has only {ids_all.shape[1]} tokens; need {max(contexts)}")
+        raise ConfigError(f"{text_path} has only {ids_all.shape[1]} tokens; need {max(contexts)}")
     per = {m: [] for m in METHODS}
     probes = {}
     for n in tqdm(contexts, desc="contexts"):

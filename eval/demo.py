@@ -15,6 +15,7 @@ import secrets
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -47,11 +48,15 @@ def _start_server(port: int, bandwidth_bps: float, secret: str, model: str | Non
     cmd = [sys.executable, "-m", "lynx_hf.cli", "serve-prefill", "--listen", f"127.0.0.1:{port}",
            "--bandwidth-mbps", str(bandwidth_bps / 1e6)] + (["--model", model] if model else [])
     env = dict(os.environ, LYNX_SECRET=secret)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # the child's log goes to a file, not a pipe: a pipe nobody drains blocks the server once ~64 KiB accumulate
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    proc.log = log
     t = time.time()
     while time.time() - t < 300:
         if proc.poll() is not None:
-            raise RuntimeError(f"prefill server exited: {proc.stderr.read()[-2000:]}")
+            log.seek(0)
+            raise RuntimeError(f"prefill server exited: {log.read()[-2000:]}")
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
             return proc
@@ -79,6 +84,7 @@ def prefill_child(model, bandwidth_bps: float, warmup_ids: list[int], model_name
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
+        proc.log.close()
 
 
 def _row(r: dict) -> dict:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from lynx_hf import LynxCache, LynxQuantConfig, SpecConfig
+from lynx_hf.errors import ConfigError
 from lynx_hf.local import prefill
 
 MODES = ("bf16", "int8", "int4", "kivi2", "anchor", "lynx", "identity")
@@ -30,9 +31,9 @@ def mode_config(mode: str, lynx_config: LynxQuantConfig | None = None) -> tuple[
     if mode in ("anchor", "lynx"):
         cfg = lynx_config or LynxQuantConfig()
         if cfg.method not in ("lynx", "paper"):
-            raise ValueError(f"lynx_config must be a Lynx codec (method 'lynx' or 'paper'), got {cfg.method!r}")
+            raise ConfigError(f"lynx_config must be a Lynx codec (method 'lynx' or 'paper'), got {cfg.method!r}")
         return cfg, "anchor" if mode == "anchor" else "full"
-    raise ValueError(f"kv must be one of {MODES}, got {mode!r}")
+    raise ConfigError(f"kv must be one of {MODES}, got {mode!r}")
 
 
 def transferred_cache(model, kv, logits, prompt_len: int, mode: str, lynx_config: LynxQuantConfig | None = None,

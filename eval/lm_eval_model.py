@@ -30,6 +30,7 @@ from transformers import StopStringCriteria, StoppingCriteriaList
 import lynx_hf
 from lynx_hf import LynxQuantConfig
 from lynx_hf.local import prefill
+from lynx_hf.errors import ConfigError
 from lynx_hf.transfer.decode import DTYPES  # dtype name → torch dtype, as on the wire
 
 from .kv_modes import MODES, continuation_logprobs, mode_config, transferred_cache
@@ -42,9 +43,9 @@ class LynxLM(HFLM):
                  residual_after: int = 8, bandwidth_mbps: float | None = None, gguf_file: str | None = None,
                  dtype: str = "float32", device: str | None = None, **kwargs):
         if kv not in MODES:
-            raise ValueError(f"lynx: kv must be one of {MODES}, got {kv!r}")
+            raise ConfigError(f"lynx: kv must be one of {MODES}, got {kv!r}")
         if dtype not in DTYPES:
-            raise ValueError(f"lynx: dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+            raise ConfigError(f"lynx: dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
         self.kv = kv
         self.lynx_config = LynxQuantConfig.from_pretrained(lynx_config) if lynx_config else None
         mode_config(kv, self.lynx_config)  # validates the pair

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -75,6 +76,7 @@ def main(argv=None):
 
         return lm_eval_model.cli(argv[1:])
     p = argparse.ArgumentParser(prog="lynx-hf", description=__doc__)
+    p.add_argument("--debug", action="store_true", help="on an error, show its traceback (also: LYNX_DEBUG=1)")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("eval", help="lm-eval's CLI with the `lynx` model and this project's MMLU-Pro tasks "
                                 "(lynx-hf eval --model lynx --model_args kv=lynx --tasks mmlu_pro_local ...)")
@@ -160,13 +162,14 @@ def main(argv=None):
 
     commands.register(sub)
     a = p.parse_args(argv)
-    from lynx_hf.loader import LoaderError
-    from lynx_hf.transfer.wire import WireError
+    from lynx_hf.errors import LynxError
 
     try:
         return a.fn(a)
-    except (WireError, LoaderError, ConnectionError, TimeoutError, FileNotFoundError, ValueError) as e:
-        print(f"lynx-hf {a.cmd}: error: {e}", file=sys.stderr)
+    except (LynxError, ConnectionError, TimeoutError, FileNotFoundError) as e:  # anything else is a bug: traceback
+        if a.debug or os.environ.get("LYNX_DEBUG"):
+            raise
+        print(f"lynx-hf {a.cmd}: error: {e} (--debug shows the traceback)", file=sys.stderr)
         return 1
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .errors import ConfigError
+
 METHODS = ("lynx", "paper", "bf16", "int8", "kivi4", "kivi2", "identity")
 ANCHORS = ("centroid", "center", "paper")
 AXES = ("auto", "channel", "token")
@@ -43,7 +45,7 @@ class LynxQuantConfig:
 
     def __post_init__(self):
         def bad(msg):
-            raise ValueError(f"LynxQuantConfig: {msg}")
+            raise ConfigError(f"LynxQuantConfig: {msg}")
 
         if self.method not in METHODS:
             bad(f"method must be one of {METHODS}, got {self.method!r}")
@@ -74,11 +76,11 @@ class LynxQuantConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "LynxQuantConfig":
         if not isinstance(d, dict):
-            raise ValueError("LynxQuantConfig.from_dict needs a dict")
+            raise ConfigError("LynxQuantConfig.from_dict needs a dict")
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - names
         if unknown:
-            raise ValueError(f"LynxQuantConfig: unknown fields {sorted(unknown)}")
+            raise ConfigError(f"LynxQuantConfig: unknown fields {sorted(unknown)}")
         return cls(**d)
 
     def save_pretrained(self, save_directory, calibration: dict | None = None) -> str:
@@ -117,9 +119,9 @@ class LynxQuantConfig:
             with open(path) as f:
                 body = json.load(f)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from None
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
         if not isinstance(body, dict):
-            raise ValueError(f"{path}: expected a JSON object")
+            raise ConfigError(f"{path}: expected a JSON object")
         body = {k: v for k, v in body.items() if k not in ("lynx_hf_version", "calibration")}
         return cls.from_dict(body)
 
@@ -164,8 +166,8 @@ class SpecConfig:
                              ("verify_nodes", 1, 4096)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not (lo <= v <= hi):
-                raise ValueError(f"SpecConfig: {name} must be an int in [{lo}, {hi}], got {v!r}")
+                raise ConfigError(f"SpecConfig: {name} must be an int in [{lo}, {hi}], got {v!r}")
         for name in ("tree_temperature", "tree_cutoff", "verify_lead"):
             t = getattr(self, name)
             if not isinstance(t, (int, float)) or isinstance(t, bool) or not (0.0 < float(t) <= 1e4):
-                raise ValueError(f"SpecConfig: {name} must be a number in (0, 1e4], got {t!r}")
+                raise ConfigError(f"SpecConfig: {name} must be a number in (0, 1e4], got {t!r}")

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from .errors import LynxError
 
-class LoaderError(RuntimeError):
+
+class LoaderError(LynxError, RuntimeError):
     """The loader failed (peer gone, corrupted stream, timeout): the prompt KV will not be completed."""
 
 

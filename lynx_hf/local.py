@@ -14,6 +14,7 @@ from transformers import DynamicCache
 
 from .arch import held_positions, layer_windows
 from .config import LynxQuantConfig
+from .errors import ConfigError
 from .link import LinkEmulator
 from .loader import Loader
 from .quant import SplitKV, encode
@@ -63,7 +64,7 @@ def steps_alias(steps: int | None, tokens: int | None) -> int | None:
     """`residual_after_steps`, or its deprecated alias `residual_after_tokens` (it always counted draft steps)."""
     if tokens is not None:
         if steps is not None:
-            raise ValueError("pass residual_after_steps or residual_after_tokens (its deprecated alias), not both")
+            raise ConfigError("pass residual_after_steps or residual_after_tokens (its deprecated alias), not both")
         warnings.warn("residual_after_tokens is deprecated: it counts draft steps; use residual_after_steps",
                       DeprecationWarning, stacklevel=3)
         return tokens
@@ -79,9 +80,9 @@ class InProcessLoader(Loader):
                  residual_after_tokens: int | None = None):
         residual_after_steps = steps_alias(residual_after_steps, residual_after_tokens)
         if residual_after_steps is not None and residual_after_steps < 0:
-            raise ValueError("residual_after_steps must be >= 0 or None")
+            raise ConfigError("residual_after_steps must be >= 0 or None")
         if bandwidth_bps is not None and bandwidth_bps <= 0:
-            raise ValueError("bandwidth_bps must be > 0")
+            raise ConfigError("bandwidth_bps must be > 0")
         self.splits = encode_layers(kv, config)
         self.after, self.bw, self.latency = residual_after_steps, bandwidth_bps, latency_s
         self._released, self._thread = False, None

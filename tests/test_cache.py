@@ -212,14 +212,14 @@ def test_the_receiver_keeps_putting_while_a_tier_is_materialised(monkeypatch):
         cache.put_anchor(i, "key", 0, anchor_only(sk))
         cache.put_anchor(i, "value", 0, anchor_only(sv))
     inside, release = threading.Event(), threading.Event()
-    real = layer_mod.decode
+    real = layer_mod.dequantize
 
     def held(seg, tier, **kw):
         inside.set()
         release.wait(10)
         return real(seg, tier, **kw)
 
-    monkeypatch.setattr(layer_mod, "decode", held)
+    monkeypatch.setattr(layer_mod, "dequantize", held)
     tier = threading.Thread(target=cache.set_tier, args=("anchor",))
     tier.start()
     assert inside.wait(10)
@@ -264,7 +264,7 @@ def test_codes_cross_devices_and_dequantized_kv_does_not(monkeypatch):
     seg = cache.layers[0].store.segments["key"][0]
     assert seg.anchor.device.type == seg.residual.device.type == "meta"
     dequantized = []
-    monkeypatch.setattr(layer_mod, "decode", lambda seg, tier, out: dequantized.append(
+    monkeypatch.setattr(layer_mod, "dequantize", lambda seg, tier, out: dequantized.append(
         (seg.anchor.device.type, out.device.type)) or out)
     cache.set_tier("full")
     kv_numel = data[0][0].numel()

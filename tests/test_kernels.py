@@ -146,3 +146,25 @@ def test_dispatch_picks_c_on_cpu_and_keeps_paths_selectable():
     assert dispatch.kernels(torch.device("cpu"), 10, path="eager") is L.REFERENCE
     with pytest.raises(ValueError, match="path"):
         dispatch.use("fast")
+
+
+def test_compiled_path_survives_bad_input_and_falls_back_on_a_broken_compiler(monkeypatch):
+    """An error that eager torch raises too is the input's: it propagates and compiling stays on. One the eager op
+    does not raise is the compiler's: that op goes eager for good, with one warning."""
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise RuntimeError("inductor fell over")
+
+    monkeypatch.setattr(dispatch, "_compile_broken", set())
+    monkeypatch.setitem(dispatch._compiled, "decode_codes", broken)
+    monkeypatch.setattr(L, "decode_codes", lambda *a, **k: (_ for _ in ()).throw(ValueError("bad codes")))
+    with pytest.raises(ValueError, match="bad codes"):
+        dispatch.COMPILED.decode_codes(1)
+    assert "decode_codes" not in dispatch._compile_broken
+    monkeypatch.setattr(L, "decode_codes", lambda *a, **k: "eager result")
+    with pytest.warns(UserWarning, match="decode_codes failed"):
+        assert dispatch.COMPILED.decode_codes(1) == "eager result"
+    assert dispatch._compile_broken == {"decode_codes"} and dispatch.COMPILED.decode_codes(1) == "eager result"
+    assert len(calls) == 2  # the broken compiled op is not tried again

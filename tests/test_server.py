@@ -20,7 +20,7 @@ from lynx_hf.transfer.decode import DecodeClient
 from lynx_hf.arch import fingerprint
 from lynx_hf.transfer.session import Channel, client_handshake, resolve_secret, server_handshake
 from lynx_hf.transfer.transport import TcpTransport, Transport
-from lynx_hf.transfer.wire import HEADER, FrameType, PeerClosed, Stream, WireError, decode_frame, encode_frame
+from lynx_hf.transfer.wire import HEADER, FrameType, PeerClosed, Stream, WireError, encode_frame, parse_frame
 
 SECRET = "test-secret"
 
@@ -52,7 +52,7 @@ def read_frames(sock, timeout):
     frames = []
     while buf:
         n = HEADER.size + int.from_bytes(buf[16:20], "little")
-        frames.append(decode_frame(buf[:n]))
+        frames.append(parse_frame(buf[:n]))
         buf = buf[n:]
     return frames, time.monotonic() - t0
 
@@ -329,3 +329,26 @@ def test_tls_end_to_end_and_plain_clients_are_refused(tiny, certificate):
     finally:
         srv.close()
         plain_srv.close()
+
+
+def test_a_handshake_broken_otherwise_is_not_called_an_authentication_failure():
+    """Only the server's refusal of our MAC is "authentication failed"; any other error frame during the handshake
+    says what the peer reported."""
+    from lynx_hf.transfer.transport import InProcTransport
+
+    a, b = InProcTransport.pair()
+    server = Channel(b)
+
+    def serve():
+        server.send_json(FrameType.HELLO, {"role": "prefill", "nonce": "b" * 32})
+        server.recv(5, FrameType.HELLO)
+        server.send_json(FrameType.ERROR, {"error": "overloaded, try later"})
+
+    t = threading.Thread(target=serve)
+    t.start()
+    with pytest.raises(WireError, match="handshake failed: .*overloaded") as e:
+        client_handshake(Channel(a), b"secret", "0" * 32, timeout=5)
+    assert "authentication" not in str(e.value)
+    t.join(5)
+    a.close()
+    b.close()

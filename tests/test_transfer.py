@@ -266,3 +266,25 @@ def test_end_to_end_over_torch_distributed():
     assert r["identical_to_full"] is True and r["tokens"] == 96
     assert r["Lynx"]["bytes"] == r["Lynx, full tier only"]["bytes"] > 0
     assert r["Lynx"]["ttft_s"] > 0 and r["INT8"]["tt32t_s"] >= r["INT8"]["ttft_s"]
+
+
+def test_an_early_stop_cancels_the_rest_of_the_stream(model_and_tok, prompt):
+    """max_new_tokens=1 needs only the prefill's logits: the decode side cancels, the prefill side drops the
+    residual frames still queued behind its slow link, and the connection serves the next request exactly."""
+    model, _ = model_and_tok
+    srv = P.PrefillServer(model, secret="s3cret", bandwidth_bps=20e6).start()
+    try:
+        cli = DecodeClient(model, *srv.address, secret="s3cret")
+        short = cli.generate(prompt, Q(), max_new_tokens=1)
+        full = cli.generate(prompt, Q(), max_new_tokens=4)
+        cli.close()
+    finally:
+        srv.close()
+    residual = [e for e in short["events"] if e[1] == "residual"]
+    assert short["cancelled"] and short["dropped_frames"] > 0 and short["loader_error"] is None
+    assert len(residual) + short["dropped_frames"] <= 30 * 2 * 2
+    assert full["dropped_frames"] == 0 and full["loader_error"] is None
+    cache, _ = LynxCache.from_prefill(model, torch.tensor([prompt]), residual_after_steps=0)
+    local = model.generate(torch.tensor([prompt]), cache=cache, custom_generate=lynx_hf.speculative_generate,
+                           max_new_tokens=4, do_sample=False)
+    assert full["tokens"] == local[0, len(prompt):].tolist() and short["tokens"] == full["tokens"][:1]

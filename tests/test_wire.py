@@ -10,16 +10,16 @@ from lynx_hf import LynxQuantConfig as Q
 from lynx_hf.quant import encode
 from lynx_hf.transfer.serde import check_residual, pack_chunk, to_split, unpack_chunk
 from lynx_hf.transfer.wire import (HEADER, MAX_PAYLOAD, Frame, FrameType, SequenceChecker, Stream, WireError,
-                                   decode_frame, encode_frame, json_frame)
+                                   parse_frame, encode_frame, json_frame)
 
 
 def test_frame_roundtrip_exact():
     buf = encode_frame(FrameType.CHUNK, Stream.RESIDUAL, 7, 3, b"\x00\x01payload")
-    f = decode_frame(buf)
+    f = parse_frame(buf)
     assert (f.type, f.stream, f.request_id, f.seq, f.payload) == (FrameType.CHUNK, Stream.RESIDUAL, 7, 3, b"\x00\x01payload")
-    assert decode_frame(json_frame(FrameType.OK, 1, 0, {"mac": "5"})).json() == {"mac": "5"}
+    assert parse_frame(json_frame(FrameType.OK, 1, 0, {"mac": "5"})).json() == {"mac": "5"}
     with pytest.raises(WireError, match="limit of 4096"):  # e.g. before the handshake: refused from the header
-        decode_frame(encode_frame(FrameType.HELLO, Stream.CONTROL, 0, 0, bytes(5000)), limit=4096)
+        parse_frame(encode_frame(FrameType.HELLO, Stream.CONTROL, 0, 0, bytes(5000)), limit=4096)
 
 
 @pytest.mark.parametrize("mutate,msg", [
@@ -35,7 +35,7 @@ def test_frame_roundtrip_exact():
 def test_bad_frames(mutate, msg):
     good = encode_frame(FrameType.CHUNK, Stream.ANCHOR, 1, 0, b"0123456789")
     with pytest.raises(WireError, match=msg):
-        decode_frame(mutate(good))
+        parse_frame(mutate(good))
 
 
 def test_sequence_checker_catches_duplicates_and_gaps():
@@ -50,9 +50,9 @@ def test_sequence_checker_catches_duplicates_and_gaps():
 
 def test_json_payload_must_be_an_object():
     with pytest.raises(WireError, match="JSON"):
-        decode_frame(encode_frame(FrameType.FIRST, Stream.CONTROL, 0, 0, b"\xff\xfe")).json()
+        parse_frame(encode_frame(FrameType.FIRST, Stream.CONTROL, 0, 0, b"\xff\xfe")).json()
     with pytest.raises(WireError, match="object"):
-        decode_frame(encode_frame(FrameType.FIRST, Stream.CONTROL, 0, 0, b"[1,2]")).json()
+        parse_frame(encode_frame(FrameType.FIRST, Stream.CONTROL, 0, 0, b"[1,2]")).json()
 
 
 @pytest.mark.parametrize("cfg", [Q(), Q(key_axis="token"), Q.paper(), Q(method="kivi4"), Q(method="int8"),
@@ -83,7 +83,7 @@ def test_chunk_with_wrong_shapes_is_refused():
 @given(st.binary(max_size=300))
 def test_fuzz_random_bytes_only_raise_wire_error(data):
     try:
-        f = decode_frame(data)
+        f = parse_frame(data)
     except WireError:
         return
     assert isinstance(f, Frame)
@@ -99,7 +99,7 @@ def test_fuzz_every_mutated_frame_is_rejected(pos, flip, extra):
     bad[pos % len(bad)] ^= flip
     for buf in (bytes(bad), good + extra, good[: pos % len(good)]):
         with pytest.raises(WireError):
-            decode_frame(buf)
+            parse_frame(buf)
 
 
 def _authenticated_pair():
@@ -119,7 +119,7 @@ def test_frame_macs_reject_forgery_reflection_and_untagged_frames():
     assert client.recv(5, FrameType.PROMPT).json() == {"prompt_len": 3}
     # an on-path host rewrites the payload and fixes the CRC: the tag no longer matches
     frame = server._frame(FrameType.PROMPT, Stream.CONTROL, 1, b'{"prompt_len":3}')
-    f = decode_frame(frame)
+    f = parse_frame(frame)
     forged = encode_frame(f.type, f.stream, f.request_id, f.seq, b'{"prompt_len":9}' + f.payload[-16:], f.flags)
     raw.send(forged)
     with pytest.raises(WireError, match="fails its MAC"):

@@ -8,7 +8,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..arch import held_positions
-from ..quant import decode
+from ..quant import dequantize
 from .store import KINDS, PromptStore
 
 
@@ -43,9 +43,9 @@ class LynxLayer(CacheLayerMixin):
                 a = s0 - self.offset
                 dst = buf[:, :, a: a + seg.shape[2]]
                 if seg.dtype == dst.dtype and seg.anchor.device == dst.device:
-                    decode(seg, tier, out=dst)
+                    dequantize(seg, tier, out=dst)
                 else:  # a cache of another dtype than the prefill's KV
-                    dst.copy_(decode(seg, tier))
+                    dst.copy_(dequantize(seg, tier))
         self.tier = tier
 
     # -- CacheLayerMixin --------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
-"""Pure quantization: `encode(x, config) -> SplitKV` and `decode(split, tier) -> Tensor`, for every method.
+"""Pure quantization: `encode(x, config) -> SplitKV` and `dequantize(split, tier) -> Tensor`, for every method
+(`decode` is the same function under its older name).
 
 x is one layer's keys or values, [B, H_kv, S, D], in bf16 / fp16 / fp32. This package knows nothing about caches,
 models or transport. `CODECS` maps each method name of `LynxQuantConfig` to its `Codec` (encode, decode, whether it
-has a residual stream); `encode`/`decode` validate and dispatch through it. The Lynx codec picks the fastest exact
+has a residual stream); `encode`/`dequantize` validate and dispatch through it. The Lynx codec picks the fastest exact
 implementation for the tensor's device (Triton on CUDA; on CPU the C kernels, else torch.compile for large tensors,
 else eager torch; see quant/dispatch.py); `reference=True` forces the reference (eager, threshold-search codes)."""
 from __future__ import annotations
@@ -16,7 +17,7 @@ from ..config import METHODS, LynxQuantConfig
 from . import baselines, lynx
 from .splitkv import TIERS, SplitKV
 
-__all__ = ["encode", "decode", "SplitKV", "TIERS", "Codec", "CODECS", "codec", "validate_input"]
+__all__ = ["encode", "dequantize", "decode", "SplitKV", "TIERS", "Codec", "CODECS", "codec", "validate_input"]
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -100,16 +101,19 @@ def encode(x: torch.Tensor, config: LynxQuantConfig | None = None, kind: str = "
     return codec(config).encode(x, config, kind, reference)
 
 
-def decode(split: SplitKV, tier: str = "full", *, reference: bool = False,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize(split: SplitKV, tier: str = "full", *, reference: bool = False,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """Reconstruct [B, H, S, D] in the input's dtype from the anchor alone ("anchor") or both streams ("full"),
     into `out` when given (that shape and dtype, on the codes' device; any strides, e.g. a slice of a cache)."""
     if not isinstance(split, SplitKV):
-        raise ValueError(f"decode: expected a SplitKV, got {type(split).__name__}")
+        raise ValueError(f"dequantize: expected a SplitKV, got {type(split).__name__}")
     if tier not in TIERS:
-        raise ValueError(f"decode: tier must be one of {TIERS}, got {tier!r}")
+        raise ValueError(f"dequantize: tier must be one of {TIERS}, got {tier!r}")
     if out is not None and (tuple(out.shape) != tuple(split.shape) or out.dtype != split.dtype
                             or out.device != split.anchor.device):
-        raise ValueError(f"decode: out must be {tuple(split.shape)} {split.dtype} on {split.anchor.device}, got "
+        raise ValueError(f"dequantize: out must be {tuple(split.shape)} {split.dtype} on {split.anchor.device}, got "
                          f"{tuple(out.shape)} {out.dtype} on {out.device}")
     return codec(split.config).decode(split, tier, reference, out)
+
+
+decode = dequantize  # the older name (one word per meaning: "decode" is the decode node)

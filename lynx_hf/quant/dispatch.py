@@ -19,10 +19,11 @@ from . import lynx
 
 PATHS = ("auto", "c", "compiled", "eager")
 COMPILE_MIN_NUMEL = 1 << 18
-_state = {"path": os.environ.get("LYNX_CPU_CODEC", "auto"), "c_broken": False, "compile_broken": False}
+_state = {"path": os.environ.get("LYNX_CPU_CODEC", "auto"), "c_broken": False}
 if _state["path"] not in PATHS:
     raise ValueError(f"LYNX_CPU_CODEC must be one of {PATHS}, got {_state['path']!r}")
 _compiled: dict = {}
+_compile_broken: set = set()  # ops whose compiled form failed where the eager one did not
 
 
 def use(path: str = "auto") -> None:
@@ -50,17 +51,23 @@ def _c_kernels() -> lynx.Kernels | None:
 
 
 def _guarded(name: str):
+    """The op through torch.compile. When the compiled op raises, the eager op runs on the same arguments: if it
+    raises too, the arguments were at fault and its error propagates (compiling stays on); if it succeeds, the
+    compiler is broken for this op, which stays eager from then on (one warning)."""
     def op(*args, **kwargs):
         eager = getattr(lynx, name)
-        if not _state["compile_broken"]:
-            try:
-                if name not in _compiled:
-                    _compiled[name] = torch.compile(eager, dynamic=True)
-                return _compiled[name](*args, **kwargs)
-            except Exception as e:  # noqa: BLE001 — any compiler failure: fall back, once, loudly
-                _state["compile_broken"] = True
-                warnings.warn(f"torch.compile of the Lynx codec failed ({type(e).__name__}: {e}); using eager torch")
-        return eager(*args, **kwargs)
+        if name in _compile_broken:
+            return eager(*args, **kwargs)
+        try:
+            if name not in _compiled:
+                _compiled[name] = torch.compile(eager, dynamic=True)
+            return _compiled[name](*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 — classified by the eager run below
+            out = eager(*args, **kwargs)
+            _compile_broken.add(name)
+            warnings.warn(f"torch.compile of the Lynx codec's {name} failed ({type(e).__name__}: {e}); "
+                          f"using eager torch for it")
+            return out
 
     return op
 

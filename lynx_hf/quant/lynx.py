@@ -20,11 +20,11 @@ from typing import Callable
 import torch
 
 from ..config import LynxQuantConfig
+from .contract import check_out, check_ranges
 from .pack import join_codes, pack4, split_codes, unpack4
 from .splitkv import SplitKV
 from .tables import tables
 
-FP16_MAX = 65504.0
 
 
 def _pad_tokens(x: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -212,22 +212,6 @@ def decode_codes(anchor, residual, gmin, gscale, mu, rho, lut, *, axis: str, pag
     if gmin is None:
         return xn.to(out_dtype)
     return (_page_view(gmin, S, page) + _page_view(gscale, S, page) * xn).to(out_dtype)
-
-
-def check_out(out: torch.Tensor, anchor: torch.Tensor, out_dtype: torch.dtype) -> None:
-    want = (*anchor.shape[:3], 2 * anchor.shape[3])
-    if tuple(out.shape) != want or out.dtype != out_dtype or out.device != anchor.device:
-        raise ValueError(f"decode: out must be {want} {out_dtype} on {anchor.device}, got {tuple(out.shape)} "
-                         f"{out.dtype} on {out.device}")
-
-
-def check_ranges(lo: torch.Tensor, hi: torch.Tensor) -> None:
-    """lo / hi: group minima / maxima covering every element of an input (NaN propagated into them)."""
-    top = float(torch.maximum(-lo.amin(), hi.amax()))  # NaN when any element is NaN, inf when any is ±inf
-    if not math.isfinite(top):
-        raise ValueError("encode: input contains NaN or Inf")
-    if top > FP16_MAX:
-        raise ValueError(f"encode: |x| exceeds {FP16_MAX:g}, the range of the fp16 page metadata; use method='bf16'")
 
 
 AUTO_CHANNEL_RATIO = 2.9

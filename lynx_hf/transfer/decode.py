@@ -26,13 +26,16 @@ class NetworkLoader(Loader):
     """Receives one request's frames after PROMPT: checks each and writes it into the cache (chunks, FIRST's
     logits); END closes the request. Any failure (peer gone, bad frame, timeout) is handed to the cache, so the
     decoder raises instead of emitting unverified tokens. The thread always reads to END (or an error): the channel
-    belongs to the DecodeClient, whose next request starts after it, so `close` has nothing to stop."""
+    belongs to the DecodeClient, whose next request starts after it. `close` before END (the decoder stopped early:
+    EOS, a stop string, max tokens) sends CANCEL, and the prefill side drops the frames it still has queued."""
 
     def __init__(self, ch: Channel, prompt: dict, rid: int, timeout_s: float = 30.0):
         self.ch, self.p, self.rid, self.timeout = ch, prompt, rid, timeout_s
         self.prefill_s: float | None = None
         self.done = threading.Event()
         self.error: BaseException | None = None
+        self.cancelled = False
+        self.dropped = 0  # frames the prefill side dropped after our CANCEL
 
     def attach(self, cache: LynxCache) -> "NetworkLoader":
         self.cache = cache
@@ -52,6 +55,16 @@ class NetworkLoader(Loader):
                     self._chunk(f, B, H, D, dtype)
                 elif f.type == FrameType.FIRST:
                     self.cache.put_logits(unpack_logits(f.payload, B, p["vocab"], dtype))
+                elif f.type == FrameType.END and f.json().get("cancelled"):
+                    if not self.cancelled:
+                        raise WireError("END says the request was cancelled, but this side did not cancel it")
+                    j = f.json()  # what was dropped never comes: each stream goes on after the dropped frames
+                    self.ch.checker.skip_to(Stream.ANCHOR, j.get("anchor_frames"))
+                    self.ch.checker.skip_to(Stream.RESIDUAL, j.get("residual_frames"))
+                    self.dropped = int(j.get("dropped") or 0)
+                    self.prefill_s = j.get("prefill_s")
+                    self.done.set()
+                    return
                 elif f.type == FrameType.END:
                     j = f.json()
                     if (j.get("anchor_frames"), j.get("residual_frames")) != (
@@ -67,6 +80,15 @@ class NetworkLoader(Loader):
         except BaseException as e:  # noqa: BLE001 — delivered to the decoding thread
             self.error = e
             self.cache.fail(e)
+
+    def close(self) -> None:
+        """The decoder is done with this request: if its streams are still coming, ask the prefill side to stop."""
+        if not self.done.is_set() and self.error is None and not self.cancelled:
+            self.cancelled = True
+            try:
+                self.ch.send_json(FrameType.CANCEL, {}, self.rid, wait=False)
+            except Exception:  # noqa: BLE001 — a broken connection shows up in the receiver as well
+                pass
 
     def _chunk(self, f, B, H, D, dtype) -> None:
         layer, kind, axis, start, count, tensors = unpack_chunk(f.payload)
@@ -170,7 +192,7 @@ class DecodeClient:
                 "prefill_s": loader.prefill_s, "stats": cache.stats.as_dict(), "events": list(cache.events),
                 "timeline": list(cache.timeline), "bytes": cache.nbytes(),
                 "h2d_bytes": cache.staged_bytes(),
-                "loader_error": None if loader.error is None else str(loader.error)}
+                "cancelled": loader.cancelled, "dropped_frames": loader.dropped, "loader_error": None if loader.error is None else str(loader.error)}
 
     def close(self) -> None:
         self.ch.close()

@@ -39,10 +39,10 @@ def send_layer(ch: Channel, rid: int, cfg: LynxQuantConfig, layer: int, k: torch
         for off in range(0, S, segment):
             s = encode(x[:, :, off:off + segment].contiguous(), cfg, kind)
             futs.append(ch.send_binary(FrameType.CHUNK, Stream.ANCHOR, rid,
-                                       pack_chunk(layer, kind, start + off, s, False), PRIO_ANCHOR))
+                                       pack_chunk(layer, kind, start + off, s, False), PRIO_ANCHOR, tag=rid))
             if s.residual is not None:
                 futs.append(ch.send_binary(FrameType.CHUNK, Stream.RESIDUAL, rid,
-                                           pack_chunk(layer, kind, start + off, s, True), PRIO_RESIDUAL))
+                                           pack_chunk(layer, kind, start + off, s, True), PRIO_RESIDUAL, tag=rid))
     return futs
 
 
@@ -78,12 +78,32 @@ def serve_request(model, ch: Channel, req: dict, rid: int, compute: threading.Lo
         out = model(input_ids=torch.tensor([ids], device=next(model.parameters()).device), cache=cap, use_cache=True,
                     logits_to_keep=1)
     prefill_s = time.perf_counter() - t0
-    ch.send_binary(FrameType.FIRST, Stream.CONTROL, rid, pack_logits(out.logits[:, -1]), PRIO_ANCHOR)
+    futs.append(ch.send_binary(FrameType.FIRST, Stream.CONTROL, rid, pack_logits(out.logits[:, -1]), PRIO_ANCHOR))
+    dropped = _await_sent(ch, rid, futs)
     end = ch.send_json(FrameType.END, {"anchor_frames": ch.out_seq[Stream.ANCHOR],
-                                       "residual_frames": ch.out_seq[Stream.RESIDUAL], "prefill_s": prefill_s},
+                                       "residual_frames": ch.out_seq[Stream.RESIDUAL], "prefill_s": prefill_s,
+                                       "cancelled": dropped is not None, "dropped": dropped or 0},
                        rid, PRIO_END, wait=False)
     end.result(600)
-    return {"prompt_len": P, "prefill_s": prefill_s, "sent_s": time.perf_counter() - t0}
+    return {"prompt_len": P, "prefill_s": prefill_s, "sent_s": time.perf_counter() - t0, "dropped_frames": dropped}
+
+
+def _await_sent(ch: Channel, rid: int, futs: list, poll_s: float = 0.05, deadline_s: float = 600.0) -> int | None:
+    """Wait until the request's frames are on the wire, reading the connection meanwhile: a CANCEL from the decode
+    side (it stopped early) drops what is still queued. Returns the number of frames dropped, None if none was."""
+    deadline = time.monotonic() + deadline_s
+    while not all(f.done() for f in futs):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"request {rid}: frames not sent within {deadline_s} s")
+        if not ch.t.readable(poll_s):
+            continue
+        f = ch.recv(timeout=30, limit=MAX_JSON)
+        if f.type != FrameType.CANCEL or f.request_id != rid:
+            raise WireError(f"unexpected {f.type.name} frame for request {f.request_id} while sending request {rid}")
+        return ch.t.drop(rid)
+    for f in futs:
+        f.result()  # a failed send surfaces here
+    return None
 
 
 def serve_channel(model, ch: Channel, secret: bytes, fp: str, hs_timeout: float = 10.0,
@@ -91,11 +111,17 @@ def serve_channel(model, ch: Channel, secret: bytes, fp: str, hs_timeout: float 
     """One connection's life on the prefill side, over any transport: handshake, then requests until the peer
     closes. Wire and connection errors propagate to the caller (PrefillServer logs them and answers ERROR)."""
     server_handshake(ch, secret, fp, hs_timeout)
+    last = 0
     while True:
         try:
-            f = ch.recv(timeout=3600, expect=FrameType.REQUEST, limit=MAX_JSON)
+            f = ch.recv(timeout=3600, limit=MAX_JSON)
         except PeerClosed:
             return
+        if f.type == FrameType.CANCEL and f.request_id <= last:
+            continue  # the request had ended before the decode side's cancel arrived
+        if f.type != FrameType.REQUEST:
+            raise WireError(f"expected REQUEST, got {f.type.name}")
+        last = f.request_id
         info = serve_request(model, ch, f.json(), f.request_id, compute)
         log.info("request %s from %s: %s", f.request_id, peer, info)
 

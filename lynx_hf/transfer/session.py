@@ -15,6 +15,7 @@ import os
 import secrets
 import time
 
+from ..errors import ConfigError
 from .transport import PRIO_ANCHOR, Transport
 from .wire import (FLAG_MAC, MAX_HANDSHAKE, MAX_PAYLOAD, FrameType, SequenceChecker, Stream, WireError, encode_frame,
                    header_bytes, json_payload)
@@ -22,6 +23,15 @@ from .wire import (FLAG_MAC, MAX_HANDSHAKE, MAX_PAYLOAD, FrameType, SequenceChec
 SECRET_ENV = "LYNX_SECRET"
 INSECURE_SECRET = b"lynx-hf-insecure: no authentication"  # --insecure (loopback only): a known key, no security
 TAG = 16  # bytes of HMAC-SHA256 kept per frame
+REFUSED = "refused"  # the prefill side's one answer to a client that fails authentication
+
+
+class PeerError(WireError):
+    """The peer sent an ERROR frame; `reason` is what it said."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"peer reported an error: {reason}")
+        self.reason = reason
 
 
 def resolve_secret(secret: str | None, insecure: bool = False) -> bytes:
@@ -31,7 +41,7 @@ def resolve_secret(secret: str | None, insecure: bool = False) -> bytes:
         return s.encode()
     if insecure:
         return INSECURE_SECRET
-    raise ValueError(f"no shared secret: pass --secret or set {SECRET_ENV} (or --insecure, on loopback only)")
+    raise ConfigError(f"no shared secret: pass --secret or set {SECRET_ENV} (or --insecure, on loopback only)")
 
 
 def _tag(key: bytes, header: bytes, body) -> bytes:
@@ -76,15 +86,17 @@ class Channel:
             self.t.wait_send(fut, 60)
         return fut
 
-    def send_binary(self, ftype: FrameType, stream: Stream, request_id: int, payload: bytes, priority: int):
-        return self.t.start_send(self._frame(ftype, stream, request_id, payload), priority)
+    def send_binary(self, ftype: FrameType, stream: Stream, request_id: int, payload: bytes, priority: int,
+                    tag=None):
+        """Queue a frame; `tag` lets `Transport.drop` take it back while it is still queued."""
+        return self.t.start_send(self._frame(ftype, stream, request_id, payload), priority, tag)
 
     def recv(self, timeout: float | None = 30.0, expect: FrameType | None = None, limit: int = MAX_PAYLOAD):
         f = self.t.recv(timeout, limit)
         if self._recv_key is not None:
             if not f.flags & FLAG_MAC or len(f.payload) < TAG:
                 if f.type == FrameType.ERROR:  # a refusal sent before the peer switched MACs on
-                    raise WireError(f"peer reported an error: {f.json().get('error', '?')}")
+                    raise PeerError(f.json().get("error", "?"))
                 raise WireError(f"{f.type.name} frame without a MAC after the handshake")
             body = memoryview(f.payload)[:-TAG]
             if not hmac.compare_digest(f.payload[-TAG:], _tag(self._recv_key, f.header(), body)):
@@ -94,7 +106,7 @@ class Channel:
             raise WireError("MAC-tagged frame before the handshake")
         self.checker.check(f)
         if f.type == FrameType.ERROR and expect != FrameType.ERROR:
-            raise WireError(f"peer reported an error: {f.json().get('error', '?')}")
+            raise PeerError(f.json().get("error", "?"))
         if expect is not None and f.type != expect:
             raise WireError(f"expected {expect.name}, got {f.type.name}")
         return f
@@ -118,7 +130,7 @@ def server_handshake(ch: Channel, secret: bytes, fp: str, timeout: float = 10.0)
     hello = ch.recv(left(), FrameType.HELLO, MAX_HANDSHAKE).json()
     nc = _nonce(hello)
     if not hmac.compare_digest(str(hello.get("mac", "")), _mac(secret, "client", ns, nc)):
-        ch.send_json(FrameType.ERROR, {"error": "refused"})
+        ch.send_json(FrameType.ERROR, {"error": REFUSED})
         raise WireError("authentication failed: the client does not know the shared secret")
     ch.authenticate(secret, ns, nc, "prefill")
     ch.send_json(FrameType.OK, {"mac": _mac(secret, "server", nc, ns), "fingerprint": fp})
@@ -137,8 +149,10 @@ def client_handshake(ch: Channel, secret: bytes, fp: str, timeout: float = 10.0)
     ch.authenticate(secret, ns, nc, "decode")
     try:
         ok = ch.recv(left(), FrameType.OK, MAX_HANDSHAKE).json()
-    except WireError as e:
-        raise WireError(f"authentication failed: the prefill server refused ({e})") from None
+    except PeerError as e:  # the server's one generic refusal is its verdict on our MAC; other errors are not
+        if e.reason == REFUSED:
+            raise WireError("authentication failed: the prefill server refused our shared secret") from None
+        raise WireError(f"handshake failed: {e}") from None
     if not hmac.compare_digest(str(ok.get("mac", "")), _mac(secret, "server", nc, ns)):
         raise WireError("authentication failed: the prefill server does not know the shared secret")
     if ok.get("fingerprint") != fp:

@@ -1,7 +1,9 @@
 """A narrow transport interface with async start/wait pairs (like vLLM's KV connectors), and its backends.
 
-    start_send(frame, priority) -> Future   enqueue; frames leave in priority order (0 first), FIFO within one;
-                                             after a failed send every queued and later frame fails too
+    start_send(frame, priority, tag) -> Future   enqueue; frames leave in priority order (0 first), FIFO within
+                                             one; after a failed send every queued and later frame fails too
+    drop(tag) -> int                         cancel the frames of `tag` still queued (not yet on the wire)
+    readable(timeout) -> bool                a frame (or the end of the stream) is waiting to be received
     wait_send(future, timeout)               until that frame is on the wire
     recv(timeout, limit) -> Frame            next frame within `timeout` seconds in all (checked: header, length
                                              bound `limit`, CRC); WireError / PeerClosed / TimeoutError
@@ -11,6 +13,7 @@ Strict priority is applied at frame granularity by one sender thread per connect
 through a `LinkEmulator` shared by every stream — so on loopback the anchor really gets the link first."""
 from __future__ import annotations
 
+import heapq
 import itertools
 import queue
 import select
@@ -23,7 +26,7 @@ from concurrent.futures import Future
 import torch
 
 from ..link import LinkEmulator
-from .wire import HEADER, MAX_PAYLOAD, PeerClosed, WireError, decode_frame, read_frame
+from .wire import HEADER, MAX_PAYLOAD, PeerClosed, WireError, parse_frame, read_frame
 
 PRIO_ANCHOR, PRIO_RESIDUAL, PRIO_END = 0, 1, 2
 DSCP = {PRIO_ANCHOR: 46 << 2, PRIO_RESIDUAL: 10 << 2, PRIO_END: 10 << 2}  # EF for the anchor, AF11 for the rest
@@ -42,7 +45,7 @@ class Transport:
         self._sender = threading.Thread(target=self._send_loop, name="lynx-sender", daemon=True)
         self._sender.start()
 
-    def start_send(self, frame: bytes, priority: int = PRIO_ANCHOR) -> Future:
+    def start_send(self, frame: bytes, priority: int = PRIO_ANCHOR, tag=None) -> Future:
         fut: Future = Future()
         with self._lock:
             if self._error is not None:
@@ -50,8 +53,24 @@ class Transport:
             elif self._closed.is_set():
                 fut.set_exception(ConnectionError("transport closed"))
             else:
-                self._q.put((priority, next(self._n), frame, fut))
+                self._q.put((priority, next(self._n), frame, fut, tag))
         return fut
+
+    def drop(self, tag) -> int:
+        """Cancel every queued frame carrying `tag` (their futures end cancelled); returns how many."""
+        with self._q.mutex:
+            keep = [item for item in self._q.queue if item[4] != tag or item[2] is None]
+            gone = [item for item in self._q.queue if item[4] == tag and item[2] is not None]
+            self._q.queue[:] = keep
+            heapq.heapify(self._q.queue)
+        for item in gone:
+            item[3].cancel()
+        return len(gone)
+
+    def readable(self, timeout: float) -> bool:
+        """Whether a frame (or the end of the stream) is waiting, within `timeout` seconds; False where the
+        backend cannot tell without receiving."""
+        return False
 
     @staticmethod
     def wait_send(fut: Future, timeout: float | None = None) -> None:
@@ -62,9 +81,11 @@ class Transport:
 
     def _send_loop(self) -> None:
         while True:
-            prio, _, frame, fut = self._q.get()
+            prio, _, frame, fut, _ = self._q.get()
             if frame is None:
                 return
+            if not fut.set_running_or_notify_cancel():  # dropped while queued
+                continue
             try:
                 self.link.pace(len(frame))
                 self._write(frame, prio)
@@ -79,7 +100,7 @@ class Transport:
     def _fail_pending(self, e: BaseException) -> None:
         while True:
             try:
-                _, _, frame, fut = self._q.get_nowait()
+                _, _, frame, fut, _ = self._q.get_nowait()
             except queue.Empty:
                 return
             if fut is not None and not fut.done():
@@ -88,7 +109,7 @@ class Transport:
     def close(self) -> None:
         if not self._closed.is_set():
             self._closed.set()
-            self._q.put((99, next(self._n), None, None))
+            self._q.put((99, next(self._n), None, None, None))
 
     def _write(self, frame: bytes, priority: int) -> None:
         raise NotImplementedError
@@ -129,17 +150,21 @@ class TcpTransport(Transport):
         self._mark(priority)
         self.sock.sendall(frame)
 
+    def _wait_readable(self, timeout: float | None) -> bool:
+        if self._poll is not None:
+            return bool(self._poll.poll(None if timeout is None else max(1, int(timeout * 1000))))
+        return bool(select.select([self.sock], [], [], timeout)[0])
+
+    def readable(self, timeout: float) -> bool:
+        return self._wait_readable(timeout)
+
     def _recv_raw(self, n: int, deadline: float | None) -> bytes:
         """Up to n bytes from the socket (b"" at its end), waiting for them until `deadline` (monotonic)."""
         while True:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise socket.timeout("receive deadline passed")
-            if self._poll is not None:
-                ready = self._poll.poll(None if left is None else max(1, int(left * 1000)))
-            else:
-                ready = select.select([self.sock], [], [], left)[0]
-            if ready:
+            if self._wait_readable(left):
                 return self.sock.recv(n)
 
     def _read_some(self, n: int, deadline: float | None) -> bytes:
@@ -241,6 +266,12 @@ class TlsTcpTransport(TcpTransport):
             self._flush()  # whatever the TLS layer has to say first (e.g. a key update)
             self._pull(self._recv_raw(1 << 16, deadline))
 
+    def readable(self, timeout: float) -> bool:
+        with self._tls_lock:
+            if self._tls.pending():
+                return True
+        return self._wait_readable(timeout)
+
     def _goodbye(self) -> None:
         try:
             with self._tls_lock:
@@ -270,6 +301,10 @@ class InProcTransport(Transport):
     def _write(self, frame: bytes, priority: int) -> None:
         self.peer.inbox.put(frame)
 
+    def readable(self, timeout: float) -> bool:
+        with self.inbox.not_empty:
+            return self.inbox.not_empty.wait_for(lambda: self.inbox._qsize() > 0, timeout)
+
     def recv(self, timeout: float | None = 30.0, limit: int = MAX_PAYLOAD):
         try:
             buf = self.inbox.get(timeout=timeout)
@@ -277,7 +312,7 @@ class InProcTransport(Transport):
             raise TimeoutError(f"no frame for {timeout} s") from None
         if buf is None:
             raise PeerClosed("peer closed the connection")
-        return decode_frame(buf, limit)
+        return parse_frame(buf, limit)
 
     def close(self) -> None:
         super().close()
@@ -348,7 +383,7 @@ class DistTransport(Transport):
             raise WireError(f"frame length {size} out of bounds")
         buf = torch.empty(size, dtype=torch.uint8, device=self.device)
         self._recv_into(buf, deadline, timeout)
-        return decode_frame(buf.cpu().numpy().tobytes(), limit)
+        return parse_frame(buf.cpu().numpy().tobytes(), limit)
 
     def close(self) -> None:
         if not self._closed.is_set():

@@ -1,6 +1,6 @@
 """Framed, versioned, self-describing messages (docs/wire-format.md). Nothing is ever unpickled: control payloads
 are JSON objects, KV chunks a binary tensor table; every length is bounded before anything is allocated, and a
-CRC32 over header and payload catches corruption. On malformed input `read_frame`/`decode_frame` raise only
+CRC32 over header and payload catches corruption. On malformed input `read_frame`/`parse_frame` raise only
 `WireError` (a peer that closed at a frame boundary is `PeerClosed`); on a finite byte string they never hang."""
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import struct
 import zlib
 from dataclasses import dataclass
 
+from ..errors import LynxError
+
 MAGIC = b"LYNX"
-VERSION = 3  # 2: FIRST carries the prefill's logits, PROMPT declares vocab and windows; 3: frame MACs
+VERSION = 4  # 2: FIRST carries the prefill's logits, PROMPT declares vocab and windows; 3: frame MACs; 4: CANCEL
 HEADER = struct.Struct("<4sBBBBIII I")  # magic, version, type, stream, flags, request_id, seq, length, crc32
 MAX_PAYLOAD = 64 << 20   # one frame's payload
 MAX_JSON = 4 << 20       # a control payload (prompt ids included)
@@ -19,7 +21,7 @@ MAX_HANDSHAKE = 4096     # any frame before the peer has proven the shared secre
 FLAG_MAC = 1             # the payload ends with a MAC tag (every frame after the handshake)
 
 
-class WireError(ValueError):
+class WireError(LynxError, ValueError):
     """A frame is malformed, truncated, corrupted, out of order, or the peer broke the protocol."""
 
 
@@ -36,6 +38,7 @@ class FrameType(enum.IntEnum):
     FIRST = 6     # binary: the prefill's last-position logits [batch, vocab] (tensor table)
     END = 7       # JSON: end of the request's streams (frame counts per stream, prefill time)
     ERROR = 8     # JSON: {"error": message}
+    CANCEL = 9    # JSON {}: the decode side stopped early; drop this request's frames still queued
 
 
 class Stream(enum.IntEnum):
@@ -129,7 +132,7 @@ def read_frame(read_exact, limit: int = MAX_PAYLOAD) -> Frame:
     return Frame(ftype, stream, rid, seq, payload, flags)
 
 
-def decode_frame(buf: bytes, limit: int = MAX_PAYLOAD) -> Frame:
+def parse_frame(buf: bytes, limit: int = MAX_PAYLOAD) -> Frame:
     """One whole frame from a byte string (trailing bytes are an error)."""
     pos = 0
 
@@ -146,10 +149,16 @@ def decode_frame(buf: bytes, limit: int = MAX_PAYLOAD) -> Frame:
 
 
 class SequenceChecker:
-    """Per-stream sequence numbers: each stream counts 0, 1, 2, ... — duplicates and reordering are errors."""
+    """Per-stream sequence numbers: each stream counts 0, 1, 2, ... — duplicates and reordering are errors. After a
+    cancelled request the peer's (authenticated) END says where each stream goes on (`skip_to`)."""
 
     def __init__(self):
         self.next = {s: 0 for s in Stream}
+
+    def skip_to(self, stream: Stream, seq) -> None:
+        if not isinstance(seq, int) or isinstance(seq, bool) or seq < self.next[stream]:
+            raise WireError(f"END moves the {stream.name.lower()} stream to {seq!r}, behind {self.next[stream]}")
+        self.next[stream] = seq
 
     def check(self, f: Frame) -> None:
         want = self.next[f.stream]
