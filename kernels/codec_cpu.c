@@ -11,6 +11,31 @@
 
 #define LYNX_MAX_D 1024
 
+/* The ABI kernels/cpu.py checks at load: bump LYNX_ABI whenever an entry point or an argument struct changes (the
+ * Python side mirrors the structs field for field and compares their sizes too). */
+#define LYNX_ABI 2
+int lynx_abi(void) { return LYNX_ABI; }
+
+
+typedef struct {  /* lynx_encode_rows: x [BH, S, D] → anchor / residual codes [BH, S, D/2] */
+    const void *x; int64_t dtype, S, D;
+    const _Float16 *gmin, *gscale; int64_t NP, page;           /* page stage ("paper"), or NULL */
+    const void *mu, *rho; int64_t stat_u8, token_axis, NC, chunk;
+    const float *thr; int64_t nthr, sign_mag; float alpha, inv_l;
+    const float *poly; int64_t npoly;                        /* y(|u|) polynomial, or npoly = 0 */
+    const int32_t *grid; int64_t ngrid; float grid_lo, grid_scale;
+    uint8_t *anchor, *residual;
+} lynx_encode_args;
+typedef struct {  /* lynx_decode_rows: codes → x̂ in out_dtype, row (bh, s) at bh·out_bh_stride + s·D */
+    const uint8_t *anchor, *residual;                        /* residual NULL: the anchor tier */
+    const _Float16 *gmin, *gscale; int64_t NP, page;
+    const void *mu, *rho; int64_t stat_u8, token_axis, chunk;
+    const float *lut; int64_t S, D, out_dtype;
+    void *out; int64_t out_bh_stride;
+} lynx_decode_args;
+int64_t lynx_sizeof_encode_args(void) { return (int64_t)sizeof(lynx_encode_args); }
+int64_t lynx_sizeof_decode_args(void) { return (int64_t)sizeof(lynx_decode_args); }
+
 typedef _Float16 f16;
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -341,12 +366,15 @@ static inline __attribute__((always_inline)) void encode_row16(const enc_args *a
  * that at most two thresholds can lie in a bin (checked in Python when the grid is built), then at most two
  * comparisons. thr holds nthr thresholds followed by two +inf. Codes split into the anchor (high nibble) and
  * residual (low nibble), two codes a byte, even channel in the low nibble. */
-void lynx_encode_rows(const void *x, int dtype, int64_t S, int64_t D,
-                      const f16 *gmin, const f16 *gscale, int64_t NP, int64_t page,
-                      const void *mu, const void *rho, int stat_u8, int token_axis, int64_t NC, int64_t chunk,
-                      const float *thr, int64_t nthr, int sign_mag, float alpha, float inv_l, const float *poly, int npoly,
-                      const int32_t *grid, int64_t ngrid, float grid_lo,
-                      float grid_scale, uint8_t *anchor, uint8_t *residual, int64_t r0, int64_t r1) {
+void lynx_encode_rows(const lynx_encode_args *args, int64_t r0, int64_t r1) {
+    const void *x = args->x; const int dtype = args->dtype; const int64_t S = args->S, D = args->D;
+    const f16 *gmin = args->gmin, *gscale = args->gscale; const int64_t NP = args->NP, page = args->page;
+    const void *mu = args->mu, *rho = args->rho; const int stat_u8 = args->stat_u8, token_axis = args->token_axis;
+    const int64_t NC = args->NC, chunk = args->chunk; const float *thr = args->thr; const int64_t nthr = args->nthr;
+    const int sign_mag = args->sign_mag; const float alpha = args->alpha, inv_l = args->inv_l;
+    const float *poly = args->poly; const int npoly = args->npoly; const int32_t *grid = args->grid;
+    const int64_t ngrid = args->ngrid; const float grid_lo = args->grid_lo, grid_scale = args->grid_scale;
+    uint8_t *anchor = args->anchor, *residual = args->residual;
     float buf[LYNX_MAX_D], u[LYNX_MAX_D];
     int32_t code[LYNX_MAX_D];
     const float k = stat_u8 ? (float)(1.0 / 255) : 1.0f;
@@ -403,10 +431,12 @@ void lynx_encode_rows(const void *x, int dtype, int64_t S, int64_t D,
 /* decode_codes twin for rows [r0, r1): x̂ = γ_min + γ_scale·(μ + σ·LUT[code]), code = anchor nibble (residual
  * NULL, 16-entry lut) or 16·anchor + residual (256-entry lut); out in out_dtype, row (bh, s) at element
  * bh·out_bh_stride + s·D (a slice of a longer buffer along S, or contiguous with out_bh_stride = S·D). */
-void lynx_decode_rows(const uint8_t *anchor, const uint8_t *residual, const f16 *gmin, const f16 *gscale,
-                      int64_t NP, int64_t page, const void *mu, const void *rho, int stat_u8, int token_axis,
-                      int64_t chunk, const float *lut, int64_t S, int64_t D, int out_dtype, void *out,
-                      int64_t out_bh_stride, int64_t r0, int64_t r1) {
+void lynx_decode_rows(const lynx_decode_args *args, int64_t r0, int64_t r1) {
+    const uint8_t *anchor = args->anchor, *residual = args->residual;
+    const f16 *gmin = args->gmin, *gscale = args->gscale; const int64_t NP = args->NP, page = args->page;
+    const void *mu = args->mu, *rho = args->rho; const int stat_u8 = args->stat_u8, token_axis = args->token_axis;
+    const int64_t chunk = args->chunk; const float *lut = args->lut; const int64_t S = args->S, D = args->D;
+    const int out_dtype = args->out_dtype; void *out = args->out; const int64_t out_bh_stride = args->out_bh_stride;
     int32_t code[LYNX_MAX_D];
     float xn[LYNX_MAX_D];
     const float k = stat_u8 ? (float)(1.0 / 255) : 1.0f;

@@ -13,15 +13,18 @@ Build: `cc -O3 -march=native -ffp-contract=off` (CC overrides the compiler) into
 and the reason if not (no compiler: the torch paths run instead, see quant/dispatch.py)."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
 import math
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,16 +36,42 @@ MAX_D = 1024  # LYNX_MAX_D in codec_cpu.c
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 MIN_ROWS_PER_THREAD = 256  # below this a second thread costs more than it saves
 
+ABI = 2  # LYNX_ABI in codec_cpu.c
+BUILD_TIMEOUT_S = 180
 _i64, _int, _f32, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+
+
+class EncodeArgs(ctypes.Structure):
+    """lynx_encode_args, field for field (codec_cpu.c)."""
+    _fields_ = [("x", _p), ("dtype", _i64), ("S", _i64), ("D", _i64),
+                ("gmin", _p), ("gscale", _p), ("NP", _i64), ("page", _i64),
+                ("mu", _p), ("rho", _p), ("stat_u8", _i64), ("token_axis", _i64), ("NC", _i64), ("chunk", _i64),
+                ("thr", _p), ("nthr", _i64), ("sign_mag", _i64), ("alpha", _f32), ("inv_l", _f32),
+                ("poly", _p), ("npoly", _i64),
+                ("grid", _p), ("ngrid", _i64), ("grid_lo", _f32), ("grid_scale", _f32),
+                ("anchor", _p), ("residual", _p)]
+
+
+class DecodeArgs(ctypes.Structure):
+    """lynx_decode_args, field for field (codec_cpu.c)."""
+    _fields_ = [("anchor", _p), ("residual", _p),
+                ("gmin", _p), ("gscale", _p), ("NP", _i64), ("page", _i64),
+                ("mu", _p), ("rho", _p), ("stat_u8", _i64), ("token_axis", _i64), ("chunk", _i64),
+                ("lut", _p), ("S", _i64), ("D", _i64), ("out_dtype", _i64),
+                ("out", _p), ("out_bh_stride", _i64)]
+
+
 _SIGNATURES = {
-    "lynx_minmax": [_p, _int, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _p],
-    "lynx_range_stats": [_p, _p, _i64, _p, _p],
-    "lynx_encode_rows": [_p, _int, _i64, _i64, _p, _p, _i64, _i64, _p, _p, _int, _int, _i64, _i64, _p, _i64, _int,
-                         _f32, _f32, _p, _int, _p, _i64, _f32, _f32, _p, _p, _i64, _i64],
-    "lynx_decode_rows": [_p, _p, _p, _p, _i64, _i64, _p, _p, _int, _int, _i64, _p, _i64, _i64, _int, _p, _i64,
-                         _i64, _i64],
+    "lynx_abi": ([], _int),
+    "lynx_sizeof_encode_args": ([], _i64),
+    "lynx_sizeof_decode_args": ([], _i64),
+    "lynx_minmax": ([_p, _int, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _p], None),
+    "lynx_range_stats": ([_p, _p, _i64, _p, _p], None),
+    "lynx_encode_rows": ([ctypes.POINTER(EncodeArgs), _i64, _i64], None),
+    "lynx_decode_rows": ([ctypes.POINTER(DecodeArgs), _i64, _i64], None),
 }
 _state: dict = {}
+_build_lock = threading.Lock()
 
 
 def _cache_dir() -> Path:
@@ -59,32 +88,68 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
-def _build(extra_flags: list[str] | None = None) -> ctypes.CDLL:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if not cc:
+def _compiler() -> list[str]:
+    """The compiler command: $CC split as a shell would ("ccache gcc" works), else cc / gcc / clang."""
+    cc = os.environ.get("CC")
+    if cc:
+        return shlex.split(cc)
+    found = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not found:
         raise RuntimeError("no C compiler found (set CC)")
+    return [found]
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """An exclusive lock across processes (two processes starting at once compile once, not twice)."""
+    with open(path, "a+") as f:
+        try:
+            import fcntl
+
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except ImportError:  # not POSIX: the atomic rename below still keeps the result whole
+            pass
+        yield
+
+
+def _build(extra_flags: list[str] | None = None) -> ctypes.CDLL:
+    cc = _compiler()
     flags = FLAGS + list(extra_flags or [])
     src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join([cc, *flags, platform.machine(), _cpu_id()]).encode())
+    key = hashlib.sha256(src + " ".join([*cc, *flags, platform.machine(), _cpu_id()]).encode())
     out = _cache_dir() / f"codec_cpu-{key.hexdigest()[:16]}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            so = Path(tmp) / out.name
-            p = subprocess.run([cc, *flags, str(SOURCE), "-o", str(so)], capture_output=True, text=True)
-            if p.returncode != 0:
-                raise RuntimeError(f"{cc} failed on {SOURCE.name}: {p.stderr.strip()[-400:]}")
-            os.replace(so, out)  # atomic: concurrent builders agree on the result
+        with _file_lock(out.with_suffix(".lock")):
+            if not out.exists():  # another process may have built it while we waited
+                with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+                    so = Path(tmp) / out.name
+                    try:
+                        p = subprocess.run([*cc, *flags, str(SOURCE), "-o", str(so)], capture_output=True, text=True,
+                                           timeout=BUILD_TIMEOUT_S)
+                    except subprocess.TimeoutExpired:
+                        raise RuntimeError(f"{cc[-1]} took over {BUILD_TIMEOUT_S} s on {SOURCE.name}") from None
+                    except OSError as e:
+                        raise RuntimeError(f"cannot run the C compiler {cc}: {e}") from None
+                    if p.returncode != 0:
+                        raise RuntimeError(f"{cc[-1]} failed on {SOURCE.name}: {p.stderr.strip()[-400:]}")
+                    os.replace(so, out)  # atomic: readers never see half a library
     lib = ctypes.CDLL(str(out))
-    for name, args in _SIGNATURES.items():
+    for name, (args, res) in _SIGNATURES.items():
         getattr(lib, name).argtypes = args
-        getattr(lib, name).restype = None
+        getattr(lib, name).restype = res
+    sizes = (lib.lynx_sizeof_encode_args(), lib.lynx_sizeof_decode_args())
+    if lib.lynx_abi() != ABI or sizes != (ctypes.sizeof(EncodeArgs), ctypes.sizeof(DecodeArgs)):
+        raise RuntimeError(f"{out.name}: ABI {lib.lynx_abi()} with argument structs of {sizes} bytes, expected ABI "
+                           f"{ABI} and {(ctypes.sizeof(EncodeArgs), ctypes.sizeof(DecodeArgs))}")
     return lib
 
 
 def _lib() -> ctypes.CDLL:
     if "lib" not in _state:
-        _state["lib"] = _build()
+        with _build_lock:  # one build per process, however many threads ask first
+            if "lib" not in _state:
+                _state["lib"] = _build()
     return _state["lib"]
 
 
@@ -97,9 +162,13 @@ def available() -> tuple[bool, str]:
         return False, str(e)
 
 
-@functools.lru_cache(maxsize=4)
-def _pool(n: int, pid: int) -> ThreadPoolExecutor:  # per process: a forked child has none of its parent's threads
-    return ThreadPoolExecutor(n, thread_name_prefix="lynx-codec")
+def _pool() -> ThreadPoolExecutor:
+    """One pool per process (a forked child has none of its parent's threads), as wide as the machine; each call
+    uses torch's thread count of it."""
+    if _state.get("pool_pid") != os.getpid():
+        _state["pool"] = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="lynx-codec")
+        _state["pool_pid"] = os.getpid()
+    return _state["pool"]
 
 
 def _parallel(fn, n: int, min_per_thread: int) -> None:
@@ -109,7 +178,7 @@ def _parallel(fn, n: int, min_per_thread: int) -> None:
         fn(0, n)
         return
     bounds = [n * i // threads for i in range(threads + 1)]
-    for f in [_pool(threads, os.getpid()).submit(fn, a, b) for a, b in zip(bounds, bounds[1:]) if b > a]:
+    for f in [_pool().submit(fn, a, b) for a, b in zip(bounds, bounds[1:]) if b > a]:
         f.result()
 
 
@@ -244,12 +313,13 @@ def encode_codes_cpu(x, gmin, gscale, mu, rho, thr, *, axis: str, page: int, chu
     a_ = -1.0 if alpha is None else float(alpha)  # < 0: the threshold search only
     inv_l = 1.0 / math.log1p(a_) if a_ > 0 else 1.0
     poly = _poly(a_) if a_ > 0 else None
+    args = EncodeArgs(x.data_ptr(), DTYPE_CODE[x.dtype], S, D, _ptr(gmin_c), _ptr(gscale_c), NP, page,
+                      mu.data_ptr(), rho.data_ptr(), int(mu.dtype == torch.uint8), int(axis == "token"), NC, chunk,
+                      thr_p.data_ptr(), thr.numel(), int(sign_magnitude), a_, inv_l,
+                      _ptr(poly), 0 if poly is None else poly.numel(),
+                      grid.data_ptr(), grid.numel(), glo, gscale_, anchor.data_ptr(), residual.data_ptr())
     lib = _lib()
-    _parallel(lambda a, b: lib.lynx_encode_rows(
-        x.data_ptr(), DTYPE_CODE[x.dtype], S, D, _ptr(gmin_c), _ptr(gscale_c), NP, page, mu.data_ptr(),
-        rho.data_ptr(), int(mu.dtype == torch.uint8), int(axis == "token"), NC, chunk, thr_p.data_ptr(),
-        thr.numel(), int(sign_magnitude), a_, inv_l, _ptr(poly), 0 if poly is None else poly.numel(), grid.data_ptr(), grid.numel(), glo, gscale_, anchor.data_ptr(), residual.data_ptr(),
-        a, b), B * H * S, MIN_ROWS_PER_THREAD)
+    _parallel(lambda a, b: lib.lynx_encode_rows(ctypes.byref(args), a, b), B * H * S, MIN_ROWS_PER_THREAD)
     return anchor, residual
 
 
@@ -277,9 +347,9 @@ def decode_codes_cpu(anchor, residual, gmin, gscale, mu, rho, lut, *, axis: str,
     gmin_c, gscale_c = (None, None) if gmin is None else (gmin.contiguous(), gscale.contiguous())
     mu, rho, lut = mu.contiguous(), rho.contiguous(), lut.float().contiguous()
     NP = 1 if gmin is None else gmin_c.shape[2]
+    args = DecodeArgs(anchor.data_ptr(), _ptr(residual), _ptr(gmin_c), _ptr(gscale_c), NP, page, mu.data_ptr(),
+                      rho.data_ptr(), int(mu.dtype == torch.uint8), int(axis == "token"), chunk, lut.data_ptr(), S, D,
+                      DTYPE_CODE[out_dtype], dst.data_ptr(), bh_stride)
     lib = _lib()
-    _parallel(lambda a, b: lib.lynx_decode_rows(
-        anchor.data_ptr(), _ptr(residual), _ptr(gmin_c), _ptr(gscale_c), NP, page, mu.data_ptr(), rho.data_ptr(),
-        int(mu.dtype == torch.uint8), int(axis == "token"), chunk, lut.data_ptr(), S, D, DTYPE_CODE[out_dtype],
-        dst.data_ptr(), bh_stride, a, b), B * H * S, MIN_ROWS_PER_THREAD)
+    _parallel(lambda a, b: lib.lynx_decode_rows(ctypes.byref(args), a, b), B * H * S, MIN_ROWS_PER_THREAD)
     return dst

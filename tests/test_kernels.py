@@ -168,3 +168,18 @@ def test_compiled_path_survives_bad_input_and_falls_back_on_a_broken_compiler(mo
         assert dispatch.COMPILED.decode_codes(1) == "eager result"
     assert dispatch._compile_broken == {"decode_codes"} and dispatch.COMPILED.decode_codes(1) == "eager result"
     assert len(calls) == 2  # the broken compiled op is not tried again
+
+
+def test_c_build_checks_its_abi_and_bounds_the_compiler(monkeypatch, tmp_path):
+    """The library must report the ABI and argument-struct sizes the Python side expects; $CC is split like a
+    shell would; a compiler that hangs is stopped after BUILD_TIMEOUT_S."""
+    import sys
+
+    monkeypatch.setenv("LYNX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu, "ABI", 999)
+    with pytest.raises(RuntimeError, match="ABI 2 .* expected ABI 999"):
+        cpu._build()
+    monkeypatch.setattr(cpu, "BUILD_TIMEOUT_S", 0.5)
+    monkeypatch.setenv("CC", f"{sys.executable} -c 'import time; time.sleep(30)'")
+    with pytest.raises(RuntimeError, match="took over 0.5 s"):
+        cpu._build()

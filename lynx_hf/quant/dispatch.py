@@ -75,6 +75,16 @@ def _guarded(name: str):
 COMPILED = lynx.Kernels(encode_codes=_guarded("encode_codes"), decode_codes=_guarded("decode_codes"))
 
 
+def prepare(device) -> str:
+    """Build what the codec on `device` needs now (the C kernels on the CPU), so that a server pays for it at start
+    rather than inside its first request. Returns the path that will run."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return "triton"
+    k = kernels(device)
+    return "c" if k is not COMPILED and k is not lynx.REFERENCE else _state["path"]
+
+
 def kernels(device: torch.device, numel: int = 0, path: str | None = None) -> lynx.Kernels:
     """The four ops for a tensor of `numel` elements on `device` (CPU: by `path`, default the selected one)."""
     if device.type == "cuda":

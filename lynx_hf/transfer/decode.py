@@ -13,6 +13,7 @@ import torch
 from ..cache import LynxCache
 from ..config import LynxQuantConfig, SpecConfig
 from ..loader import Loader
+from ..quant.dispatch import prepare
 from .serde import check_residual, to_split, unpack_chunk, unpack_logits
 from ..arch import fingerprint, kv_geometry
 from .session import Channel, client_handshake, resolve_secret
@@ -137,6 +138,7 @@ class DecodeClient:
             self.ch.close()
             raise
         self.geometry = kv_geometry(model)  # a PROMPT frame must declare exactly this
+        prepare(next(model.parameters()).device)  # the codec's kernels, built before the first request
 
     def _check_handshake(self, p: dict, prompt_len: int, cfg: LynxQuantConfig) -> None:
         got = {k: p.get(k) for k in self.geometry}

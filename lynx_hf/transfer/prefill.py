@@ -18,6 +18,7 @@ import torch
 from ..config import LynxQuantConfig
 from ..local import PromptCapture
 from ..quant import encode
+from ..quant.dispatch import prepare
 from .serde import pack_chunk, pack_logits
 from ..arch import fingerprint, kv_geometry
 from .session import Channel, resolve_secret, server_handshake
@@ -137,6 +138,7 @@ class PrefillServer:
                  max_connections: int = 32, insecure: bool = False, tls_cert: str | None = None,
                  tls_key: str | None = None):
         self.model, self.secret, self.fp = model, resolve_secret(secret, insecure), fingerprint(model)
+        prepare(next(model.parameters()).device)  # build the codec's kernels now, not inside the first request
         self.tls = None
         if tls_cert:  # TLS on top of the frame MACs: confidentiality for links that leave the rack
             self.tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
