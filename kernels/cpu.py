@@ -154,20 +154,26 @@ def _lib() -> ctypes.CDLL:
 
 
 def available() -> tuple[bool, str]:
-    """(True, "") when the library is built and loaded, else (False, why)."""
+    """(True, "") when the library is built and loaded (and the thread pool started), else (False, why)."""
     try:
         _lib()
+        _pool()
         return True, ""
     except (OSError, RuntimeError) as e:
         return False, str(e)
 
 
 def _pool() -> ThreadPoolExecutor:
-    """One pool per process (a forked child has none of its parent's threads), as wide as the machine; each call
-    uses torch's thread count of it."""
+    """One pool per process (a forked child has none of its parent's threads), as wide as the machine, its threads
+    all started at once (a server's thread count does not grow inside requests); each call uses torch's thread
+    count of it."""
     if _state.get("pool_pid") != os.getpid():
-        _state["pool"] = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="lynx-codec")
-        _state["pool_pid"] = os.getpid()
+        n = os.cpu_count() or 1
+        pool = ThreadPoolExecutor(n, thread_name_prefix="lynx-codec")
+        barrier = threading.Barrier(n)
+        for f in [pool.submit(barrier.wait, 10) for _ in range(n)]:  # n tasks that wait for each other: n threads
+            f.result()
+        _state["pool"], _state["pool_pid"] = pool, os.getpid()
     return _state["pool"]
 
 

@@ -7,22 +7,25 @@ import time
 
 
 class LinkEmulator:
-    """A link of `bandwidth_bps` bits/s and one-way `latency_s`, shared by all streams of a connection."""
+    """A link of `bandwidth_bps` bits/s and one-way `latency_s`, shared by all streams of a connection. `clock` and
+    `sleep` are injectable (tests drive the link with a fake clock)."""
 
-    def __init__(self, bandwidth_bps: float | None = None, latency_s: float = 0.0):
+    def __init__(self, bandwidth_bps: float | None = None, latency_s: float = 0.0, clock=time.perf_counter,
+                 sleep=time.sleep):
         if bandwidth_bps is not None and bandwidth_bps <= 0:
             raise ValueError("bandwidth_bps must be > 0")
         self.bps, self.latency, self._free_at = bandwidth_bps, latency_s, None
+        self.clock, self.sleep = clock, sleep
 
     def pace(self, nbytes: int, stop: threading.Event | None = None) -> bool:
         """Block until the link has carried `nbytes` more; returns True if `stop` was set meanwhile."""
-        now = time.perf_counter()
+        now = self.clock()
         if self._free_at is None:
             self._free_at = now + self.latency
         if self.bps is not None:
             self._free_at = max(self._free_at, now) + 8 * nbytes / self.bps
-        wait = max(0.0, self._free_at - time.perf_counter())
+        wait = max(0.0, self._free_at - self.clock())
         if stop is not None:
             return stop.wait(wait)
-        time.sleep(wait)
+        self.sleep(wait)
         return False

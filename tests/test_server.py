@@ -114,33 +114,55 @@ def test_handshake_has_one_deadline_and_a_size_bound(tiny):
         srv.close()
 
 
+def wait_until(condition, timeout: float = 20.0) -> bool:
+    """Poll `condition` until it holds (a state to reach, not a time to pass); False at the timeout."""
+    t0 = time.monotonic()
+    while not condition():
+        if time.monotonic() - t0 > timeout:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def test_connection_limit_refuses_clearly(tiny):
     srv = P.PrefillServer(tiny, secret=SECRET, max_connections=2).start()
     try:
         idle = [socket.create_connection(srv.address, timeout=5) for _ in range(2)]
-        time.sleep(0.3)
+        assert wait_until(lambda: srv.connections == 2)
         frames, _ = read_frames(socket.create_connection(srv.address, timeout=5), 5)
         assert frames[-1].type == FrameType.ERROR and "too many connections" in frames[-1].json()["error"]
         for s in idle:
             s.close()
-        t0 = time.monotonic()
-        while srv.connections and time.monotonic() - t0 < 10:
-            time.sleep(0.1)
+        assert wait_until(lambda: srv.connections == 0)
         DecodeClient(tiny, *srv.address, secret=SECRET).close()  # a slot is free again
     finally:
         srv.close()
 
 
-def test_a_long_transfer_does_not_stall_a_short_request(tiny):
+def test_a_long_transfer_does_not_stall_a_short_request(tiny, monkeypatch):
     """Two clients, one link each (0.4 Mbit/s emulated): a 10-token request's TTFT is its own, not the time left
     on another client's 200 KB transfer."""
+    queued = threading.Event()  # the long request's prefill is done and its KV queued behind the emulated link
+    serve, await_sent, long_rq = P.serve_request, P._await_sent, threading.local()
+
+    def serve_request(model, ch, req, rid, compute=None):
+        long_rq.on = len(req["input_ids"]) == 200
+        return serve(model, ch, req, rid, compute)
+
+    def _await_sent(ch, rid, futs, **kw):
+        if getattr(long_rq, "on", False):
+            queued.set()
+        return await_sent(ch, rid, futs, **kw)
+
+    monkeypatch.setattr(P, "serve_request", serve_request)
+    monkeypatch.setattr(P, "_await_sent", _await_sent)
     srv = P.PrefillServer(tiny, secret=SECRET, bandwidth_bps=0.4e6).start()
     try:
         short, long_ = DecodeClient(tiny, *srv.address, secret=SECRET), DecodeClient(tiny, *srv.address, secret=SECRET)
         alone = min(short.generate(ids(10, 1), Q(), max_new_tokens=2)["ttft_s"] for _ in range(2))
         th = threading.Thread(target=lambda: long_.generate(ids(200, 2), Q(method="identity"), max_new_tokens=2))
         th.start()
-        time.sleep(1.0)  # its prefill is done; its KV is on the emulated link for seconds more
+        assert queued.wait(60)  # its KV is on the emulated link for seconds more
         busy = short.generate(ids(10, 1), Q(), max_new_tokens=2)["ttft_s"]
         th.join(60)
         assert busy < alone + 1.0, (alone, busy)
@@ -151,13 +173,16 @@ def test_a_long_transfer_does_not_stall_a_short_request(tiny):
 
 
 def test_a_failed_send_fails_every_frame_queued_after_it():
+    all_queued = threading.Event()
+
     class Breaks(Transport):
         def _write(self, frame, priority):
-            time.sleep(0.05)
+            all_queued.wait(5)
             raise ConnectionError("link down")
 
     t = Breaks()
     futs = [t.start_send(b"x" * 10) for _ in range(5)]
+    all_queued.set()
     for f in futs:
         with pytest.raises(ConnectionError):
             f.result(5)
@@ -176,7 +201,10 @@ def _fake_prefill(model, prompt_patch: dict):
         f = ch.recv(10, FrameType.REQUEST)
         p = P.kv_handshake(model, f.request_id, len(f.json()["input_ids"]), Q())
         ch.send_json(FrameType.PROMPT, {**p, **prompt_patch}, f.request_id)
-        time.sleep(1)
+        try:  # until the client, having refused the PROMPT, hangs up
+            ch.recv(10)
+        except (WireError, TimeoutError, ConnectionError):
+            pass
         ch.close()
 
     threading.Thread(target=run, daemon=True).start()
@@ -246,7 +274,9 @@ def test_eight_clients_one_stalled_one_vanishing(tiny):
             c = DecodeClient(tiny, *srv.address, secret=SECRET)
             solo.append(c.generate(p, Q(), max_new_tokens=6)["tokens"])
             c.close()
-        time.sleep(0.5)
+        # the baseline: the codec's pool started (by the server at its start), the solo clients' threads gone
+        assert wait_until(lambda: srv.connections == 0 and not any(
+            t.name in ("lynx-conn", "lynx-receiver", "lynx-sender") for t in threading.enumerate()))
         threads0 = threading.active_count()
         tracemalloc.start()
         mem0 = tracemalloc.get_traced_memory()[0]
@@ -270,9 +300,7 @@ def test_eight_clients_one_stalled_one_vanishing(tiny):
             t.join(120)
         assert out == solo
         stalled.close()
-        t0 = time.monotonic()
-        while (srv.connections or threading.active_count() > threads0) and time.monotonic() - t0 < 20:
-            time.sleep(0.2)
+        wait_until(lambda: srv.connections == 0 and threading.active_count() <= threads0)
         assert srv.connections == 0 and threading.active_count() <= threads0
         grown = tracemalloc.get_traced_memory()[0] - mem0
         tracemalloc.stop()
