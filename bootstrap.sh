@@ -17,6 +17,6 @@ fi
 cmd=${1:-demo}
 shift || true
 case "$cmd" in
-  test) exec .venv/bin/python -m pytest -q "$@" ;;
+  test) exec .venv/bin/python -m pytest -q -m "slow or not slow" "$@" ;;  # both tiers (plain pytest: the fast one)
   *) exec .venv/bin/lynx-hf "$cmd" "$@" ;;
 esac

@@ -15,6 +15,16 @@ import pytest
 import torch
 
 FIXTURES = Path(__file__).parent / "fixtures"  # small public-data slices: tests read nothing outside the clone
+REAL_MODEL = {"model_and_tok", "shakespeare_ids", "eval_prompts"}  # fixtures that load the 135M default model
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tiers: a test on the real default model is `slow` (as are subprocess CLI runs and spawned processes, marked
+    where they stand). `pytest` runs the fast tier (scripted engine, pure math, tiny random models);
+    `bash bootstrap.sh test` (CI) runs both."""
+    for item in items:
+        if REAL_MODEL & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,8 @@ import torch
 
 import lynx_hf
 
+pytestmark = pytest.mark.slow  # every test here runs the CLI in a subprocess
+
 TEXT = str(Path(__file__).parent / "fixtures" / "shakespeare.txt")
 
 

@@ -39,6 +39,7 @@ def _full_tier_greedy(model, ids, new_tokens, cfg=None, mask=None):
 
 
 # -- tasks -----------------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # indexes every lm-eval task
 def test_every_task_yaml_is_indexed():
     """lm-eval skips a YAML that fails to parse without a word: every task and group in the folder must be found."""
     from lynx_hf.eval.lm_eval_model import TASKS_DIR, task_manager
@@ -160,6 +161,7 @@ def test_lm_eval_generate_until_equals_full_tier(lynx_lm, model_and_tok):
         assert out == ref.split("Question:")[0], (out, ref)
 
 
+@pytest.mark.slow  # subprocess / spawned processes
 def test_eval_cli_offline_end_to_end(tmp_path):
     """`lynx-hf eval` hands over to lm-eval's CLI: both project tasks, lm-eval's table and results file."""
     p = _cli("eval", "--model", "lynx", "--model_args", "kv=lynx,residual_after=2", "--tasks",
@@ -178,6 +180,7 @@ def results_md(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # subprocess / spawned processes
 def test_results_table(results_md):
     rep = json.loads(results_md.with_suffix(".json").read_text())
     c = rep["contexts"]["300"]
@@ -233,6 +236,7 @@ def test_search_finds_the_separable_optimum_within_budget():
     assert len(hist) == 3
 
 
+@pytest.mark.slow  # subprocess / spawned processes
 def test_calibrate_cli_writes_a_loadable_config(tmp_path):
     p = _cli("calibrate", "--budget", "3", "--contexts", "64", "96", "--gen", "4", "--text", TEXT,
              "--out", str(tmp_path), "--json")

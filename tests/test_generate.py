@@ -165,6 +165,7 @@ def tiny_mha():
     return m
 
 
+@pytest.mark.slow  # a statistical test: thousands of samples
 def test_sampling_follows_the_full_tier_distribution_on_an_mha_model():
     """Joint distribution of the first three tokens — the first sampled from the prefill's logits, the next two
     decided by verification — vs plain sampling with full-tier KV. Chi-square homogeneity with a 1e-3 critical

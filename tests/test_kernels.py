@@ -48,6 +48,7 @@ def test_triton_matches_reference(cfg, dtype, S):
         assert ((a - b).abs() <= tol).all(), float((a - b).abs().max())
 
 
+@pytest.mark.slow  # torch.compile builds
 def test_compiled_cpu_path_matches_reference():
     x = sample(300, torch.float32).cpu()
     k = dispatch.kernels(x.device, path="compiled")

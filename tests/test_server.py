@@ -57,6 +57,7 @@ def read_frames(sock, timeout):
     return frames, time.monotonic() - t0
 
 
+@pytest.mark.slow  # subprocess / spawned processes
 def test_no_server_without_a_secret(tiny, monkeypatch):
     monkeypatch.delenv("LYNX_SECRET", raising=False)
     with pytest.raises(ValueError, match="no shared secret"):

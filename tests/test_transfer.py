@@ -237,6 +237,7 @@ def _dist_worker(rank, port, q):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # subprocess / spawned processes
 def test_torch_distributed_transport_gloo():
     import torch.multiprocessing as mp
 
@@ -257,6 +258,7 @@ def test_torch_distributed_transport_gloo():
     assert all(p.exitcode == 0 for p in ps)
 
 
+@pytest.mark.slow  # subprocess / spawned processes
 def test_end_to_end_over_torch_distributed():
     """The GPU check's third part on the CPU: a prefill rank and a decode rank, each with the default model, the
     whole session (handshake, KV streams, logits) over DistTransport (gloo); Lynx's tokens = the full tier's."""
