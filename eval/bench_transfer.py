@@ -4,7 +4,7 @@ Per link speed a `lynx-hf serve-prefill` child process runs behind the link emul
 the demo, for BF16, INT8, INT4 (KIVI-4), Lynx and Lynx without drafts (the full-tier reference: what drafting adds).
 Per request: TTFT (first token, from the prefill's logits), TTFT verified, TT32T (32 verified tokens), drafted /
 accepted tokens, bytes on the wire, and the decode process's peak resident memory above its level at the request
-(sampled every 5 ms) next to the cache's documented bound (lynx_hf/cache.py: encoded streams + one dequantized
+(sampled every 5 ms) next to the cache's documented bound (lynx_hf/cache/lynx_cache.py: encoded streams + one dequantized
 prompt + tail; the forward pass's activations come on top). Every result is appended to a JSONL file as it
 completes (`--out`), so an interrupted sweep resumes where it stopped; a progress bar counts requests.
 
@@ -153,7 +153,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def cache_bound_bytes(model, prompt_tokens: int, tail_tokens: int, wire_bytes: int) -> int:
-    """The bound lynx_hf/cache.py documents for the cache during decoding: the encoded streams (codes + metadata,
+    """The bound lynx_hf/cache/lynx_cache.py documents for the cache during decoding: the encoded streams (codes + metadata,
     = the bytes on the wire), one dequantized prompt in the model dtype (K and V), and the decode-side tail."""
     c = model.config
     hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads

@@ -338,7 +338,7 @@ def decode_codes_cpu(anchor, residual, gmin, gscale, mu, rho, lut, *, axis: str,
     if out_dtype not in DTYPE_CODE or D > MAX_D:
         raise ValueError(f"decode_codes_cpu: unsupported out_dtype {out_dtype} or head_dim {D}")
     if out is not None:
-        from lynx_hf.quant.contract import check_out
+        from .contract import check_out
 
         check_out(out, anchor, out_dtype)
         st = out.stride()

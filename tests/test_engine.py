@@ -24,6 +24,7 @@ class ScriptedLM:
         self.full, self.anchor = full, anchor
         self.config = SimpleNamespace(_attn_implementation="sdpa")  # takes custom 4D masks (and ignores them)
         self.forwards = []  # (tier, number of new tokens)
+        self.masks = []  # per forward: None, 2 (a padding mask) or 4 (the engine's own masks)
 
     def __call__(self, input_ids, cache, use_cache=True, logits_to_keep=1, **kw):
         B, n = input_ids.shape
@@ -33,6 +34,8 @@ class ScriptedLM:
         tier = cache.layers[0].tier
         script = self.full if tier == "full" else self.anchor
         self.forwards.append((tier, n))
+        am = kw.get("attention_mask")
+        self.masks.append(None if am is None else 4 if isinstance(am, dict) or am.dim() == 4 else 2)
         pos = kw.get("position_ids")  # tree passes: per-node positions
         logits = torch.full((B, n, V), -10.0)
         for b in range(B):
@@ -244,3 +247,15 @@ def test_verify_pass_starts_before_the_residual_lands(do_sample):
                           spec=CHAIN if do_sample else None, do_sample=do_sample)
     assert model.ready_at_verify is False and st["rounds"] == 1 and st["drafted"] >= 1
     assert got == [FULL[:6]]  # one-hot logits: sampling is exact here too
+
+
+def test_lock_step_leaves_no_holes_when_a_row_is_done():
+    """Without custom masks a parked row must not leave holes in the live row's tail: every later pass goes through
+    the model's own (2D or no) mask."""
+    full = [FULL, [EOS, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
+    anchor = [[2, 3, 4, 9, 6, 7, 8, 9, 10, 11, 12, 13], full[1]]
+    model = ScriptedLM(full, anchor)
+    model.config._attn_implementation = "flash_attention_2"
+    got, st, _ = generate(full, anchor, after=4, max_new=7, eos=EOS, model=model)
+    assert got == [FULL[:7], [EOS] + [PAD] * 6] and st["accepted_per_row"] == [2, 0]
+    assert 4 not in model.masks

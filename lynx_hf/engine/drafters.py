@@ -102,7 +102,8 @@ class ChainDrafter(Drafter):
         # the KV of every verified token but each row's last: the sequence part, then the emitted drafts but one
         n_seq = ids.shape[1]
         cols = torch.arange(n_seq + k, device=ids.device)
-        need = torch.tensor([n_seq + e - 1 if e else n_seq + k for e in emitted], device=ids.device)
+        longest = max([n_seq + e - 1 for e in emitted if e] or [n_seq])
+        need = torch.tensor([n_seq + e - 1 if e else longest for e in emitted], device=ids.device)  # done rows: any
         s.keep_tail(s.P, cols.expand(s.B, -1), cols[None] < need[:, None])
         stood = [kept[b] for b in range(s.B) if emitted[b]]
         return kept, min(stood) if stood else 0

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from ..config import LynxQuantConfig
-from .contract import check_out, check_ranges
+from ..kernels.contract import check_out, check_ranges
 from .pack import join_codes, pack4, split_codes, unpack4
 from .splitkv import SplitKV
 from .tables import tables

@@ -1,6 +1,6 @@
 """Prefill side: layer-wise sending overlapped with the forward pass, and the server process.
 
-During prefill every attention layer hands its prompt KV to a `PromptCapture` (loader.py); the layer's needed
+During prefill every attention layer hands its prompt KV to a `PromptCapture` (local.py); the layer's needed
 positions (all of them, or a sliding window's last W) are encoded at once and queued as anchor chunks (priority 0)
 and residual chunks (priority 1), so the link carries layer i while layer i+1 computes. The last position's logits
 follow the anchors (FIRST), so the decode side picks the first token with its own generation options."""
@@ -15,14 +15,14 @@ import time
 
 import torch
 
+from ..arch import fingerprint, kv_geometry
 from ..config import LynxQuantConfig
+from ..link import LinkEmulator
 from ..local import PromptCapture
 from ..quant import encode
 from ..quant.dispatch import prepare
 from .serde import pack_chunk, pack_logits
-from ..arch import fingerprint, kv_geometry
 from .session import Channel, resolve_secret, server_handshake
-from ..link import LinkEmulator
 from .transport import PRIO_ANCHOR, PRIO_END, PRIO_RESIDUAL, TcpTransport, TlsTcpTransport
 from .wire import MAX_JSON, FrameType, PeerClosed, Stream, WireError, json_frame
 

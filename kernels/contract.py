@@ -1,6 +1,6 @@
-"""The contract every implementation of the codec's hot ops shares (the torch reference, the C kernels, Triton):
-argument checks that must read the same wherever a kernel runs. Imports nothing of the package, so kernels can
-depend on it without depending on the codec."""
+"""The contract every implementation of the codec's hot ops shares (the torch reference in lynx_hf.quant.lynx, the C
+kernels, Triton): argument checks that must read the same wherever a kernel runs. It imports nothing of the
+package, so the kernels depend on nothing of the codec and the codec reaches them only through quant.dispatch."""
 from __future__ import annotations
 
 import math
