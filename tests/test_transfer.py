@@ -89,7 +89,7 @@ def test_anchor_frames_overtake_queued_residual_frames():
     from lynx_hf.transfer.transport import PRIO_ANCHOR, PRIO_RESIDUAL
 
     a, b = InProcTransport.pair(LinkEmulator(bandwidth_bps=8 * 20_000))  # 20 kB/s: 50 ms per 1 kB frame
-    fr = lambda s, i: encode_frame(FrameType.CHUNK, s, 1, i, bytes(1000))
+    fr = lambda s, i: encode_frame(FrameType.SEGMENT, s, 1, i, bytes(1000))
     futs = [a.start_send(fr(Stream.RESIDUAL, i), PRIO_RESIDUAL) for i in range(4)]
     futs += [a.start_send(fr(Stream.ANCHOR, i), PRIO_ANCHOR) for i in range(4)]
     for f in futs:
@@ -133,7 +133,7 @@ class _Vanishing(TcpTransport):
     stream, n = Stream.ANCHOR, 5
 
     def _write(self, frame, priority):
-        if frame[6] == self.stream and frame[5] == FrameType.CHUNK:
+        if frame[6] == self.stream and frame[5] == FrameType.SEGMENT:
             self.count = getattr(self, "count", 0) + 1
             if self.count > self.n:
                 self.sock.shutdown(socket.SHUT_RDWR)
@@ -175,12 +175,12 @@ def _loader_over_inproc(frames):
 
 def _chunks():
     from lynx_hf.quant import encode
-    from lynx_hf.transfer.serde import pack_chunk
+    from lynx_hf.transfer.serde import pack_segment
 
     s = encode(torch.randn(1, 3, 64, 64), Q(), "key")
-    return (encode_frame(FrameType.CHUNK, Stream.ANCHOR, 1, 0, pack_chunk(0, "key", 0, s, False)),
-            encode_frame(FrameType.CHUNK, Stream.ANCHOR, 1, 1, pack_chunk(0, "value", 0, s, False)),
-            encode_frame(FrameType.CHUNK, Stream.ANCHOR, 1, 0, pack_chunk(0, "value", 0, s, False)))
+    return (encode_frame(FrameType.SEGMENT, Stream.ANCHOR, 1, 0, pack_segment(0, "key", 0, s, False)),
+            encode_frame(FrameType.SEGMENT, Stream.ANCHOR, 1, 1, pack_segment(0, "value", 0, s, False)),
+            encode_frame(FrameType.SEGMENT, Stream.ANCHOR, 1, 0, pack_segment(0, "value", 0, s, False)))
 
 
 @pytest.mark.parametrize("order,msg", [((0, 0), "duplicated"), ((1,), "out-of-order"), ((0, 2), "duplicated")])
@@ -207,9 +207,9 @@ def _dist_worker(rank, port, q):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     t = DistTransport(peer=1 - rank)
     if rank == 0:
-        futs = [t.start_send(encode_frame(FrameType.CHUNK, Stream.RESIDUAL, 1, i, b"r" * 100), PRIO_RESIDUAL)
+        futs = [t.start_send(encode_frame(FrameType.SEGMENT, Stream.RESIDUAL, 1, i, b"r" * 100), PRIO_RESIDUAL)
                 for i in range(3)]
-        futs += [t.start_send(encode_frame(FrameType.CHUNK, Stream.ANCHOR, 1, i, b"a" * 10), PRIO_ANCHOR)
+        futs += [t.start_send(encode_frame(FrameType.SEGMENT, Stream.ANCHOR, 1, i, b"a" * 10), PRIO_ANCHOR)
                  for i in range(3)]
         for f in futs:
             t.wait_send(f, 30)

@@ -8,15 +8,15 @@ from hypothesis import strategies as st
 
 from lynx_hf import LynxQuantConfig as Q
 from lynx_hf.quant import encode
-from lynx_hf.transfer.serde import check_residual, pack_chunk, to_split, unpack_chunk
+from lynx_hf.transfer.serde import check_residual, pack_segment, to_split, unpack_segment
 from lynx_hf.transfer.wire import (HEADER, MAX_PAYLOAD, Frame, FrameType, SequenceChecker, Stream, WireError,
                                    parse_frame, encode_frame, json_frame)
 
 
 def test_frame_roundtrip_exact():
-    buf = encode_frame(FrameType.CHUNK, Stream.RESIDUAL, 7, 3, b"\x00\x01payload")
+    buf = encode_frame(FrameType.SEGMENT, Stream.RESIDUAL, 7, 3, b"\x00\x01payload")
     f = parse_frame(buf)
-    assert (f.type, f.stream, f.request_id, f.seq, f.payload) == (FrameType.CHUNK, Stream.RESIDUAL, 7, 3, b"\x00\x01payload")
+    assert (f.type, f.stream, f.request_id, f.seq, f.payload) == (FrameType.SEGMENT, Stream.RESIDUAL, 7, 3, b"\x00\x01payload")
     assert parse_frame(json_frame(FrameType.OK, 1, 0, {"mac": "5"})).json() == {"mac": "5"}
     with pytest.raises(WireError, match="limit of 4096"):  # e.g. before the handshake: refused from the header
         parse_frame(encode_frame(FrameType.HELLO, Stream.CONTROL, 0, 0, bytes(5000)), limit=4096)
@@ -33,14 +33,14 @@ def test_frame_roundtrip_exact():
     (lambda b: b + b"x", "trailing"),
 ])
 def test_bad_frames(mutate, msg):
-    good = encode_frame(FrameType.CHUNK, Stream.ANCHOR, 1, 0, b"0123456789")
+    good = encode_frame(FrameType.SEGMENT, Stream.ANCHOR, 1, 0, b"0123456789")
     with pytest.raises(WireError, match=msg):
         parse_frame(mutate(good))
 
 
 def test_sequence_checker_catches_duplicates_and_gaps():
     c = SequenceChecker()
-    f = lambda seq: Frame(FrameType.CHUNK, Stream.ANCHOR, 1, seq, b"")
+    f = lambda seq: Frame(FrameType.SEGMENT, Stream.ANCHOR, 1, seq, b"")
     c.check(f(0))
     with pytest.raises(WireError, match="duplicated"):
         c.check(f(0))
@@ -60,19 +60,19 @@ def test_json_payload_must_be_an_object():
 def test_chunk_serde_roundtrip_exact(cfg):
     x = torch.randn(1, 3, 100, 64)
     s = encode(x, cfg, "key")
-    layer, kind, axis, start, count, t = unpack_chunk(pack_chunk(4, "key", 256, s, False))
+    layer, kind, axis, start, count, t = unpack_segment(pack_segment(4, "key", 256, s, False))
     assert (layer, kind, start, count) == (4, "key", 256, 100)
     back = to_split(t, cfg, kind, axis, (1, 3, count, 64), torch.float32)
     assert torch.equal(back.anchor, s.anchor) and back.meta.keys() == s.meta.keys()
     assert all(torch.equal(back.meta[k], s.meta[k]) for k in s.meta)
     if s.residual is not None:
-        *_, tr = unpack_chunk(pack_chunk(4, "key", 256, s, True))
+        *_, tr = unpack_segment(pack_segment(4, "key", 256, s, True))
         assert torch.equal(check_residual(tr, cfg, "key", axis, (1, 3, 100, 64), torch.float32), s.residual)
 
 
 def test_chunk_with_wrong_shapes_is_refused():
     s = encode(torch.randn(1, 3, 100, 64), Q(), "key")
-    *_, axis, _, _, t = unpack_chunk(pack_chunk(0, "key", 0, s, False))
+    *_, axis, _, _, t = unpack_segment(pack_segment(0, "key", 0, s, False))
     with pytest.raises(WireError, match="do not match"):
         to_split(t, Q(), "key", axis, (1, 3, 101, 64), torch.float32)  # a peer lying about the token count
     with pytest.raises(WireError, match="do not match"):
@@ -94,7 +94,7 @@ def test_fuzz_random_bytes_only_raise_wire_error(data):
 def test_fuzz_every_mutated_frame_is_rejected(pos, flip, extra):
     """A changed byte anywhere (CRC32 catches every burst of up to 32 bits), a cut, or trailing bytes: WireError."""
     s = encode(torch.randn(1, 3, 8, 64), Q(), "key")
-    good = encode_frame(FrameType.CHUNK, Stream.ANCHOR, 1, 0, pack_chunk(0, "key", 0, s, False))
+    good = encode_frame(FrameType.SEGMENT, Stream.ANCHOR, 1, 0, pack_segment(0, "key", 0, s, False))
     bad = bytearray(good)
     bad[pos % len(bad)] ^= flip
     for buf in (bytes(bad), good + extra, good[: pos % len(good)]):
@@ -138,7 +138,7 @@ def test_frame_macs_reject_forgery_reflection_and_untagged_frames():
 @given(st.binary(max_size=400))
 def test_fuzz_chunk_payloads(data):
     try:
-        unpack_chunk(data)
+        unpack_segment(data)
     except WireError:
         pass
 

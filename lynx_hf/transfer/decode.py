@@ -14,7 +14,7 @@ from ..cache import LynxCache
 from ..config import LynxQuantConfig, SpecConfig
 from ..loader import Loader
 from ..quant.dispatch import prepare
-from .serde import check_residual, to_split, unpack_chunk, unpack_logits
+from .serde import check_residual, to_split, unpack_segment, unpack_logits
 from ..arch import fingerprint, kv_geometry
 from .session import Channel, client_handshake, resolve_secret
 from .transport import TcpTransport, TlsTcpTransport
@@ -24,7 +24,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 class NetworkLoader(Loader):
-    """Receives one request's frames after PROMPT: checks each and writes it into the cache (chunks, FIRST's
+    """Receives one request's frames after PROMPT: checks each and writes it into the cache (segments, FIRST's
     logits); END closes the request. Any failure (peer gone, bad frame, timeout) is handed to the cache, so the
     decoder raises instead of emitting unverified tokens. The thread always reads to END (or an error): the channel
     belongs to the DecodeClient, whose next request starts after it. `close` before END (the decoder stopped early:
@@ -52,8 +52,8 @@ class NetworkLoader(Loader):
                 f = self.ch.recv(self.timeout)
                 if f.request_id != self.rid:
                     raise WireError(f"frame for request {f.request_id} inside request {self.rid}")
-                if f.type == FrameType.CHUNK:
-                    self._chunk(f, B, H, D, dtype)
+                if f.type == FrameType.SEGMENT:
+                    self._segment(f, B, H, D, dtype)
                 elif f.type == FrameType.FIRST:
                     self.cache.put_logits(unpack_logits(f.payload, B, p["vocab"], dtype))
                 elif f.type == FrameType.END and f.json().get("cancelled"):
@@ -91,21 +91,21 @@ class NetworkLoader(Loader):
             except Exception:  # noqa: BLE001 — a broken connection shows up in the receiver as well
                 pass
 
-    def _chunk(self, f, B, H, D, dtype) -> None:
-        layer, kind, axis, start, count, tensors = unpack_chunk(f.payload)
+    def _segment(self, f, B, H, D, dtype) -> None:
+        layer, kind, axis, start, count, tensors = unpack_segment(f.payload)
         P, cfg = self.p["prompt_len"], self.cache.quant_config
         if not 0 <= layer < self.p["num_layers"]:
-            raise WireError(f"chunk for layer {layer} of {self.p['num_layers']}")
+            raise WireError(f"segment for layer {layer} of {self.p['num_layers']}")
         first = self.cache.layers[layer].offset  # a sliding layer holds only its window's last positions
         if not (0 < count and first <= start and start + count <= P):
-            raise WireError(f"chunk of layer {layer}: tokens [{start}, {start + count}) outside [{first}, {P})")
+            raise WireError(f"segment of layer {layer}: tokens [{start}, {start + count}) outside [{first}, {P})")
         shape = (B, H, count, D)
         if f.stream == Stream.ANCHOR:
             self.cache.put_anchor(layer, kind, start, to_split(tensors, cfg, kind, axis, shape, dtype))
         elif f.stream == Stream.RESIDUAL:
             self.cache.put_residual(layer, kind, start, check_residual(tensors, cfg, kind, axis, shape, dtype))
         else:
-            raise WireError("chunk on the control stream")
+            raise WireError("segment on the control stream")
 
 
 class DecodeClient:

@@ -1,8 +1,8 @@
 """Prefill side: layer-wise sending overlapped with the forward pass, and the server process.
 
 During prefill every attention layer hands its prompt KV to a `PromptCapture` (local.py); the layer's needed
-positions (all of them, or a sliding window's last W) are encoded at once and queued as anchor chunks (priority 0)
-and residual chunks (priority 1), so the link carries layer i while layer i+1 computes. The last position's logits
+positions (all of them, or a sliding window's last W) are encoded at once and queued as anchor segments (priority 0)
+and residual segments (priority 1), so the link carries layer i while layer i+1 computes. The last position's logits
 follow the anchors (FIRST), so the decode side picks the first token with its own generation options."""
 from __future__ import annotations
 
@@ -21,29 +21,29 @@ from ..link import LinkEmulator
 from ..local import PromptCapture
 from ..quant import encode
 from ..quant.dispatch import prepare
-from .serde import pack_chunk, pack_logits
+from .serde import pack_segment, pack_logits
 from .session import Channel, resolve_secret, server_handshake
 from .transport import PRIO_ANCHOR, PRIO_END, PRIO_RESIDUAL, TcpTransport, TlsTcpTransport
 from .wire import MAX_JSON, FrameType, PeerClosed, Stream, WireError, json_frame
 
 log = logging.getLogger("lynx_hf.prefill")
 MAX_PROMPT = 131072
-SEGMENT = 256  # tokens per chunk frame: small frames keep strict priority responsive
+SEGMENT = 256  # tokens per SEGMENT frame: small frames keep strict priority responsive
 
 
 def send_layer(ch: Channel, rid: int, cfg: LynxQuantConfig, layer: int, k: torch.Tensor, v: torch.Tensor,
                start: int, segment: int = SEGMENT) -> list:
-    """Queue one layer's KV (k, v: [B, H_kv, S, D] for prompt positions [start, start + S)) as chunk frames."""
+    """Queue one layer's KV (k, v: [B, H_kv, S, D] for prompt positions [start, start + S)) as SEGMENT frames."""
     futs = []
     S = k.shape[2]
     for kind, x in (("key", k), ("value", v)):
         for off in range(0, S, segment):
             s = encode(x[:, :, off:off + segment].contiguous(), cfg, kind)
-            futs.append(ch.send_binary(FrameType.CHUNK, Stream.ANCHOR, rid,
-                                       pack_chunk(layer, kind, start + off, s, False), PRIO_ANCHOR, tag=rid))
+            futs.append(ch.send_binary(FrameType.SEGMENT, Stream.ANCHOR, rid,
+                                       pack_segment(layer, kind, start + off, s, False), PRIO_ANCHOR, tag=rid))
             if s.residual is not None:
-                futs.append(ch.send_binary(FrameType.CHUNK, Stream.RESIDUAL, rid,
-                                           pack_chunk(layer, kind, start + off, s, True), PRIO_RESIDUAL, tag=rid))
+                futs.append(ch.send_binary(FrameType.SEGMENT, Stream.RESIDUAL, rid,
+                                           pack_segment(layer, kind, start + off, s, True), PRIO_RESIDUAL, tag=rid))
     return futs
 
 

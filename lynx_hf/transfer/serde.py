@@ -1,4 +1,4 @@
-"""Tensors on the wire as a self-describing binary table: KV chunks (a SplitKV segment — anchor stream: codes +
+"""Tensors on the wire as a self-describing binary table: KV segments (a SplitKV segment — anchor stream: codes +
 metadata — or a residual segment, codes only) and the prefill's logits (FIRST). Shapes are checked against what
 the negotiated codec (or the KV handshake) declares, so a peer cannot make the decoder read out of bounds."""
 from __future__ import annotations
@@ -70,19 +70,19 @@ def unpack_tensors(mv: memoryview, pos: int = 0) -> dict:
     return tensors
 
 
-def pack_chunk(layer: int, kind: str, start: int, split: SplitKV, residual: bool) -> bytes:
+def pack_segment(layer: int, kind: str, start: int, split: SplitKV, residual: bool) -> bytes:
     tensors = {"codes": split.residual} if residual else {"codes": split.anchor, **split.meta}
     return SUB.pack(layer, KINDS.index(kind), AXES.index(split.axis), start, split.shape[2]) + pack_tensors(tensors)
 
 
-def unpack_chunk(payload: bytes):
+def unpack_segment(payload: bytes):
     """→ (layer, kind, axis, start, count, {name: tensor}); raises WireError on anything malformed."""
     mv = memoryview(payload)
     if len(mv) < SUB.size + 1:
-        raise WireError("chunk payload too short")
+        raise WireError("segment payload too short")
     layer, kind, axis, start, count = SUB.unpack_from(mv, 0)
     if kind > 1 or axis > 2:
-        raise WireError(f"bad chunk kind {kind} or axis {axis}")
+        raise WireError(f"bad segment kind {kind} or axis {axis}")
     return layer, KINDS[kind], AXES[axis], start, count, unpack_tensors(mv, SUB.size)
 
 
@@ -111,13 +111,13 @@ def _expected(config: LynxQuantConfig, kind: str, axis: str, shape: tuple, dtype
 
 
 def to_split(tensors, config: LynxQuantConfig, kind: str, axis: str, shape: tuple, dtype: torch.dtype) -> SplitKV:
-    """An anchor chunk's tensors → SplitKV (residual None), after checking every shape and dtype."""
+    """An anchor segment's tensors → SplitKV (residual None), after checking every shape and dtype."""
     anc, _, meta, want_axis = _expected(config, kind, axis, shape, dtype)
     if codec(config).split and axis != want_axis:
-        raise WireError(f"chunk axis {axis!r} is not valid for method {config.method!r}")
+        raise WireError(f"segment axis {axis!r} is not valid for method {config.method!r}")
     got = {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}
     if got.get("codes") != anc or {k: v for k, v in got.items() if k != "codes"} != meta:
-        raise WireError(f"anchor chunk tensors {got} do not match the codec's {anc}, {meta}")
+        raise WireError(f"anchor segment tensors {got} do not match the codec's {anc}, {meta}")
     return SplitKV(config, kind, shape, dtype, tensors["codes"], None,
                    {k: v for k, v in tensors.items() if k != "codes"}, axis)
 
@@ -126,5 +126,5 @@ def check_residual(tensors, config, kind, axis, shape, dtype) -> torch.Tensor:
     _, res, _, _ = _expected(config, kind, axis, shape, dtype)
     got = {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}
     if res is None or got != {"codes": res}:
-        raise WireError(f"residual chunk tensors {got} do not match the codec's {res}")
+        raise WireError(f"residual segment tensors {got} do not match the codec's {res}")
     return tensors["codes"]

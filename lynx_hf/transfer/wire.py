@@ -1,5 +1,5 @@
 """Framed, versioned, self-describing messages (docs/wire-format.md). Nothing is ever unpickled: control payloads
-are JSON objects, KV chunks a binary tensor table; every length is bounded before anything is allocated, and a
+are JSON objects, KV segments a binary tensor table; every length is bounded before anything is allocated, and a
 CRC32 over header and payload catches corruption. On malformed input `read_frame`/`parse_frame` raise only
 `WireError` (a peer that closed at a frame boundary is `PeerClosed`); on a finite byte string they never hang."""
 from __future__ import annotations
@@ -34,7 +34,8 @@ class FrameType(enum.IntEnum):
     OK = 2        # JSON: handshake accepted (+ server's HMAC)
     REQUEST = 3   # JSON: request_id, input_ids, quant config
     PROMPT = 4    # JSON: KV handshake — layers, windows, batch, kv heads, head dim, dtype, vocab, prompt length, codec
-    CHUNK = 5     # binary: one segment of one layer's K or V, anchor or residual stream
+    SEGMENT = 5   # binary: one segment of one layer's K or V, anchor or residual stream
+    CHUNK = 5     # the older name of SEGMENT ("chunk" is the codec's μ/σ group of C tokens)
     FIRST = 6     # binary: the prefill's last-position logits [batch, vocab] (tensor table)
     END = 7       # JSON: end of the request's streams (frame counts per stream, prefill time)
     ERROR = 8     # JSON: {"error": message}
