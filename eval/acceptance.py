@@ -43,7 +43,7 @@ def run(drafts: int = 31, as_json=False, model_name=None):
               "| verify s |")
         print("|---|---|---|---|---|---|")
         for name, s in summary.items():
-            print(f"| {name} | {s['mean_accepted']:.1f} | {s['min_accepted']} | {s['full_requests']}/{n} | "
+            print(f"| {name} | {s['mean_accepted']:.1f} | {s['min_accepted']:g} | {s['full_requests']}/{n} | "
                   f"{s['mean_nodes_verified']:.0f} | {s['mean_verify_s']:.2f} |")
     print(json.dumps({"drafts": drafts, "runs": summary}))
     return summary
