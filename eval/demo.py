@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 import lynx_hf
@@ -89,8 +90,13 @@ def prefill_child(model, bandwidth_bps: float, warmup_ids: list[int], model_name
 
 def _row(r: dict) -> dict:
     st = r["stats"]
+    # verification overlapping the transfer: seconds between the verify pass's start and the last residual arrival
+    last_res = max((t for t, what, *_ in r["events"] if what == "residual"), default=None)
+    vstart = [t for t, k in r["timeline"] if k == "verify_start"]
+    overlap = last_res - vstart[0] if vstart and last_res is not None else None
     return {**{k: r[k] for k in ("ttft_s", "ttft_verified_s", "tt32t_s", "bytes")},
-            **{k: st.get(k) for k in ("drafted", "accepted", "tree_nodes", "anchors_at_s", "residual_at_s", "verify_s")}}
+            **{k: st.get(k) for k in ("drafted", "accepted", "tree_nodes", "anchors_at_s", "residual_at_s", "verify_s")},
+            "verify_overlap_s": overlap}
 
 
 def plot_timeline(runs: dict, path: Path, bandwidth_bps: float) -> None:
@@ -118,7 +124,7 @@ def plot_timeline(runs: dict, path: Path, bandwidth_bps: float) -> None:
 
 
 def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_json=False, out_dir="runs",
-        model_name=None):
+        model_name=None, do_sample=False):
     say = (lambda *a: None) if as_json else print
     model, tok = lynx_hf.load_default_model(model_name)
     text = open(prompt_file, encoding="utf-8", errors="replace").read() if prompt_file else default_prompt_text()
@@ -127,11 +133,13 @@ def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_jso
     runs = {}
     with prefill_child(model, bandwidth_bps, ids[:64], model_name) as cli:
         plan = [(n, c, True) for n, c in METHODS.items()] + [("Lynx (no drafts: full-tier reference)", METHODS["Lynx"], False)]
+        gen = {"do_sample": True, "temperature": 0.7} if do_sample else {}
         for name, cfg, spec in tqdm(plan, desc="methods", disable=as_json):
-            runs[name] = cli.generate(ids, cfg, max_new_tokens=new_tokens, speculative=spec)
+            torch.manual_seed(0)
+            runs[name] = cli.generate(ids, cfg, max_new_tokens=new_tokens, speculative=spec, **gen)
     rows = {n: _row(r) for n, r in runs.items()}
     ref = "Lynx (no drafts: full-tier reference)"
-    same = runs["Lynx"]["tokens"] == runs[ref]["tokens"]
+    same = runs["Lynx"]["tokens"] == runs[ref]["tokens"] if not do_sample else None  # sampling: same distribution
     say(f"\nprompt {len(ids)} tokens; prefill {runs['Lynx']['prefill_s']:.2f} s (overlapped with sending); "
         f"link {bandwidth_bps / 1e6:.1f} Mbit/s")
     say(f"{'method':40s} {'TTFT s':>7s} {'verified':>9s} {'TT32T s':>8s} {'MB':>7s} {'drafted/accepted':>17s}")
@@ -139,11 +147,14 @@ def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_jso
         say(f"{n:40s} {r['ttft_s']:7.2f} {r['ttft_verified_s']:9.2f} {r['tt32t_s']:8.2f} {r['bytes'] / 1e6:7.2f} "
             f"{r['drafted']:>8d}/{r['accepted']:<8g}")
     say(f"TTFT Lynx/INT4 {rows['Lynx']['ttft_s'] / rows['INT4 (KIVI-4)']['ttft_s']:.2f}, "
-        f"Lynx/INT8 {rows['Lynx']['ttft_s'] / rows['INT8']['ttft_s']:.2f}; Lynx identical to full tier: {same}")
+        f"Lynx/INT8 {rows['Lynx']['ttft_s'] / rows['INT8']['ttft_s']:.2f}; Lynx identical to full tier: {same}; "
+        f"verify pass started {rows['Lynx']['verify_overlap_s'] or 0:.2f} s before the last residual segment landed")
     say("Lynx generated:", repr(tok.decode(runs["Lynx"]["tokens"])))
     res = {"methods": {n: {k: rows[n][k] for k in ("ttft_s", "ttft_verified_s", "tt32t_s", "bytes")}
                        for n in METHODS},
-           "lynx": {"drafted": rows["Lynx"]["drafted"], "accepted": rows["Lynx"]["accepted"], "identical_to_full": same},
+           "lynx": {"drafted": rows["Lynx"]["drafted"], "accepted": rows["Lynx"]["accepted"], "identical_to_full": same,
+                    "verify_overlap_s": rows["Lynx"]["verify_overlap_s"]},
+           "do_sample": do_sample,
            "bandwidth_bps": bandwidth_bps, "prompt_tokens": len(ids), "prefill_s": runs["Lynx"]["prefill_s"]}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

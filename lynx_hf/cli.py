@@ -35,7 +35,7 @@ def _bench(a):
 def _demo(a):
     from lynx_hf.eval import demo
 
-    demo.run(a.prompt_file, a.tokens, a.bandwidth_mbps * 1e6, a.new_tokens, a.json, a.out, a.model)
+    demo.run(a.prompt_file, a.tokens, a.bandwidth_mbps * 1e6, a.new_tokens, a.json, a.out, a.model, a.do_sample)
 
 
 def _acceptance(a):
@@ -121,6 +121,7 @@ def main(argv=None):
     d.add_argument("--out", default="runs", help="folder for demo.json and demo_timeline.png")
     d.add_argument("--model", help="Hub id or local path (default: embedded SmolLM2-135M-Instruct)")
     d.add_argument("--json", action="store_true", help="print only the final JSON line")
+    d.add_argument("--do-sample", action="store_true", help="sample (temperature 0.7, seeded) instead of greedy")
     d.set_defaults(fn=_demo)
 
     r = sub.add_parser("results", help="the accuracy table by KV mode (docs/results.md, docs/results.json)")
