@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from ..spec import verify_chain
-from ..tree import ROOT, Tree, best_subtree, restrict, walk_tree
+from ..tree import Tree, best_subtree, restrict, walk_tree
 from .state import DecodeState
 
 
