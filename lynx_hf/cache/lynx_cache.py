@@ -173,8 +173,10 @@ class LynxCache(Cache):
         with self._lock:
             return self.trace.residual_eta(sum(l.store.missing for l in self.layers))
 
-    def _snapshot(self, layer: LynxLayer, tier: str) -> dict:
-        """The layer's segments for `tier` (the caller holds the lock and has checked that they are complete)."""
+    @staticmethod
+    def _snapshot(layer: LynxLayer) -> dict:
+        """The layer's segments, {kind: [(start, segment)]} (the caller holds the lock and has checked that the tier
+        it materialises is complete)."""
         return {kind: layer.store.snapshot(kind) for kind in KINDS}
 
     def set_tier(self, tier: str) -> None:
@@ -183,7 +185,7 @@ class LynxCache(Cache):
         with self._lock:
             if not self._complete(tier if tier == "anchor" else "residual"):
                 raise RuntimeError(f"set_tier({tier!r}) before that tier's streams are complete")
-            snaps = [self._snapshot(l, tier) for l in self.layers]
+            snaps = [self._snapshot(l) for l in self.layers]
         for l, snap in zip(self.layers, snaps):
             l.materialise(tier, snap, self.dtype, self.device)
 
@@ -197,7 +199,7 @@ class LynxCache(Cache):
         layer = self.layers[i]
         self._wait(lambda: self._complete("residual", [layer]), f"residual stream of layer {i}", None)
         with self._lock:
-            snap = self._snapshot(layer, "full")
+            snap = self._snapshot(layer)
         layer.materialise("full", snap, self.dtype, self.device)
         self._pending_full[i] = False
 
