@@ -10,12 +10,12 @@ import time
 
 import torch
 
+from ..arch import fingerprint, kv_geometry
 from ..cache import LynxCache
 from ..config import LynxQuantConfig, SpecConfig
 from ..loader import Loader
 from ..quant.dispatch import prepare
-from .serde import check_residual, to_split, unpack_segment, unpack_logits
-from ..arch import fingerprint, kv_geometry
+from .serde import check_residual, to_split, unpack_logits, unpack_segment
 from .session import Channel, client_handshake, resolve_secret
 from .transport import TcpTransport, TlsTcpTransport
 from .wire import FrameType, Stream, WireError
@@ -194,7 +194,8 @@ class DecodeClient:
                 "prefill_s": loader.prefill_s, "stats": cache.stats.as_dict(), "events": list(cache.events),
                 "timeline": list(cache.timeline), "bytes": cache.nbytes(),
                 "h2d_bytes": cache.staged_bytes(),
-                "cancelled": loader.cancelled, "dropped_frames": loader.dropped, "loader_error": None if loader.error is None else str(loader.error)}
+                "cancelled": loader.cancelled, "dropped_frames": loader.dropped,
+                "loader_error": None if loader.error is None else str(loader.error)}
 
     def close(self) -> None:
         self.ch.close()

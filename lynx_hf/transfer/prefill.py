@@ -12,6 +12,7 @@ import socket
 import ssl
 import threading
 import time
+from concurrent import futures
 
 import torch
 
@@ -90,18 +91,20 @@ def serve_request(model, ch: Channel, req: dict, rid: int, compute: threading.Lo
 
 
 def _await_sent(ch: Channel, rid: int, futs: list, poll_s: float = 0.05, deadline_s: float = 600.0) -> int | None:
-    """Wait until the request's frames are on the wire, reading the connection meanwhile: a CANCEL from the decode
-    side (it stopped early) drops what is still queued. Returns the number of frames dropped, None if none was."""
+    """Wait until the request's frames are on the wire, checking the connection every `poll_s`: a CANCEL from the
+    decode side (it stopped early) drops what is still queued. Returns the number of frames dropped, None if none
+    was. (A transport that cannot tell whether a frame waits, DistTransport, never sees a CANCEL here.)"""
     deadline = time.monotonic() + deadline_s
-    while not all(f.done() for f in futs):
+    pending = list(futs)
+    while pending:
         if time.monotonic() > deadline:
             raise TimeoutError(f"request {rid}: frames not sent within {deadline_s} s")
-        if not ch.t.readable(poll_s):
-            continue
-        f = ch.recv(timeout=30, limit=MAX_JSON)
-        if f.type != FrameType.CANCEL or f.request_id != rid:
-            raise WireError(f"unexpected {f.type.name} frame for request {f.request_id} while sending request {rid}")
-        return ch.t.drop(rid)
+        if ch.t.readable(0):
+            f = ch.recv(timeout=30, limit=MAX_JSON)
+            if f.type != FrameType.CANCEL or f.request_id != rid:
+                raise WireError(f"unexpected {f.type.name} frame for request {f.request_id} while sending request {rid}")
+            return ch.t.drop(rid)
+        pending = list(futures.wait(pending, timeout=poll_s).not_done)
     for f in futs:
         f.result()  # a failed send surfaces here
     return None
