@@ -10,7 +10,9 @@
 
 Every mode goes through `LynxCache` exactly as on a decode node: the prompt's KV is encoded with the mode's codec,
 delivered by a loader and materialised at the mode's tier; tokens computed after the prompt keep full precision (they
-are the decode node's own). Scoring (`continuation_logprobs`) re-runs the prompt's last position against the
+are the decode node's own). In generation every mode's first token comes from the prefill's logits (a prefill node
+sends them, as Lynx's does; plain `generate` on a LynxCache takes them too), so modes differ from the second token on.
+Scoring (`continuation_logprobs`) re-runs the prompt's last position against the
 transferred KV, so every scored token depends on the mode, the first one included."""
 from __future__ import annotations
 

@@ -51,6 +51,16 @@ def hub_generate(model, lynx_config: dict, inputs=None, residual_after_steps: in
     if "streamer" in kw:  # speculative_generate takes its streamer as lynx_streamer (see its docstring)
         kw["lynx_streamer"] = kw.pop("streamer")
     kw.pop("synced_gpus", None)
+    if kw.get("stop_strings"):  # a callable custom_generate never gets the tokenizer: build the criterion here
+        from transformers import StopStringCriteria, StoppingCriteriaList
+
+        tok = kw.pop("tokenizer", None)
+        if tok is None:
+            raise ValueError("stop_strings need tokenizer= (the model's tokenizer)")
+        stops = kw.pop("stop_strings")
+        kw["stopping_criteria"] = StoppingCriteriaList([*(kw.get("stopping_criteria") or []),
+                                                        StopStringCriteria(tok, [stops] if isinstance(stops, str)
+                                                                           else list(stops))])
     cache = kw.pop("cache", None)
     if cache is None:
         cfg = LynxQuantConfig.from_dict(dict(lynx_config))

@@ -6,6 +6,7 @@ positions for full attention, the last min(P, W) for a sliding window W) and the
 bandwidth-simulated schedule (anchor first); the network path (lynx_hf.transfer) is the other way to fill a cache."""
 from __future__ import annotations
 
+import inspect
 import threading
 import warnings
 
@@ -30,6 +31,9 @@ class PromptCapture(DynamicCache):
         self.held = [held_positions(prompt_len, w) for w in layer_windows(config)]
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if not 0 <= layer_idx < len(self.held):
+            raise ValueError(f"LynxCache cannot hold this model's KV: it writes KV for cache layer {layer_idx} but has "
+                             f"{len(self.held)} attention layers (KV per recurrent loop or shared across layers)")
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if key_states.shape[-2] == self.prompt_len:  # the prompt's own forward pass
             n = self.held[layer_idx]
@@ -37,16 +41,39 @@ class PromptCapture(DynamicCache):
         return out
 
 
+def generate_mask(model, input_ids: torch.Tensor) -> torch.Tensor | None:
+    """The attention mask `generate` infers for a prompt given without one: pad tokens masked when the model's
+    generation config has a pad_token_id that occurs in the prompt and is not an EOS id; else None (no padding)."""
+    gc = model.generation_config
+    pad, eos = gc.pad_token_id, gc.eos_token_id
+    eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    if pad is None or pad in eos or not bool((input_ids == pad).any()):
+        return None
+    return input_ids.ne(pad).long()
+
+
 @torch.no_grad()
 def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
     """Full-precision prefill: ([(K, V)] per layer, each [B, H_kv, held_i, D]; last-position logits [B, V] in the
-    model's dtype) — the prefill node's own work."""
+    model's dtype) — the prefill node's own work, with the inputs `generate` gives its own prefill (position_ids
+    from the mask, where the model takes them). Raises ValueError for a model that keeps no KV in a Transformers
+    Cache (recurrent state, legacy tuples): there is nothing to transfer."""
+    windows = layer_windows(model.config)
     kv = {}
     cap = PromptCapture(model.config, lambda i, k, v: kv.__setitem__(i, (k, v)), input_ids.shape[1])
-    kw = {}
-    if attention_mask is not None:
-        kw = {"attention_mask": attention_mask, "position_ids": (attention_mask.long().cumsum(-1) - 1).clamp_min(0)}
-    out = model(input_ids=input_ids, cache=cap, use_cache=True, logits_to_keep=1, **kw)
+    kw = {} if attention_mask is None else {"attention_mask": attention_mask}
+    if "position_ids" in inspect.signature(model.forward).parameters:
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        kw["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    name = getattr(model.config, "model_type", type(model).__name__)
+    try:
+        out = model(input_ids=input_ids, cache=cap, use_cache=True, logits_to_keep=1, **kw)
+    except TypeError as e:
+        raise ValueError(f"LynxCache cannot hold this {name}'s KV: its forward takes no Transformers cache ({e})") \
+            from e
+    if sorted(kv) != list(range(len(windows))):
+        raise ValueError(f"LynxCache cannot hold this {name}'s KV: it wrote {len(kv)} of {len(windows)} layers' KV "
+                         f"through a Transformers cache (recurrent state or a legacy cache format)")
     return [kv[i] for i in range(len(kv))], out.logits[:, -1]
 
 

@@ -23,6 +23,7 @@ class ScriptedLM:
     def __init__(self, full, anchor):
         self.full, self.anchor = full, anchor
         self.config = SimpleNamespace(_attn_implementation="sdpa")  # takes custom 4D masks (and ignores them)
+        self.lynx_tree_inputs = True  # positions from position_ids: no probe (support.honours_tree_inputs)
         self.forwards = []  # (tier, number of new tokens)
         self.masks = []  # per forward: None, 2 (a padding mask) or 4 (the engine's own masks)
 

@@ -20,7 +20,7 @@ def test_full_and_sliding_layers_with_padding_holes_and_a_tree(impl):
     vis = torch.rand(B, q, K, generator=g) < 0.7             # padding, holes, tree ancestry: any pattern
     k_pos = torch.cumsum(torch.rand(B, K, generator=g) < 0.8, 1)  # logical positions skip over holes
     q_pos = k_pos[:, -q:]
-    m = layer_masks(model, cache, vis, q_pos, k_pos)
+    m = layer_masks(model, cache.layers, cache.dtype, vis, q_pos, k_pos)
     assert set(m) == {"full_attention", "sliding_attention"}
     off = P - W
     for kind, offset, window in (("full_attention", 0, None), ("sliding_attention", off, W)):
@@ -44,5 +44,5 @@ def test_one_layer_type_gives_one_mask():
     model = SimpleNamespace(config=SimpleNamespace(_attn_implementation="sdpa"))
     vis = torch.ones(1, 2, 10, dtype=torch.bool)
     pos = torch.arange(10)[None]
-    m = layer_masks(model, cache, vis, pos[:, -2:], pos)
+    m = layer_masks(model, cache.layers, cache.dtype, vis, pos[:, -2:], pos)
     assert isinstance(m, torch.Tensor) and m.shape == (1, 1, 2, 10) and bool(m.all())

@@ -97,9 +97,12 @@ class LynxLayer(CacheLayerMixin):
         if s < self.held or s > self.keys.shape[-2]:
             raise ValueError(f"keep_tail start {start} outside the decode-side tail")
         i = index.to(self.keys.device)[:, None, :, None]                       # [B, 1, k, 1]
-        i = i.expand(self.keys.shape[0], self.keys.shape[1], i.shape[2], self.keys.shape[3])
-        self.keys = torch.cat([self.keys[..., :s, :], self.keys[..., s:, :].gather(2, i)], dim=-2)
-        self.values = torch.cat([self.values[..., :s, :], self.values[..., s:, :].gather(2, i)], dim=-2)
+
+        def keep(t):  # keys and values may differ in head dim (MLA)
+            return torch.cat([t[..., :s, :], t[..., s:, :].gather(2, i.expand(*t.shape[:2], i.shape[2], t.shape[3]))],
+                             dim=-2)
+
+        self.keys, self.values = keep(self.keys), keep(self.values)
 
     def reset(self) -> None:
         """Drop the decode-side tail; the transferred prompt stays."""

@@ -11,7 +11,11 @@ Two ways to decode from it:
     last-position logits (`prefill_logits`), so it follows the caller's generation options.
   * `model.generate(prompt, cache=cache)`: plain Transformers decoding. Until its first forward the cache presents
     the prompt minus its last position, so `generate` re-runs that one position (as vLLM does when every prompt
-    token is cached); the first forward waits for the residual and decodes on the full tier, no drafting.
+    token is cached) — its KV stands as streamed and its logits are replaced by the prefill's exact ones (a forward
+    hook on the model the cache was built for) — then decodes on the full tier, no drafting.
+
+One cache serves one `generate` call, of the prompt it was prefilled with: `expect_prompt` records the prompt's ids
+and attention mask (`from_prefill` does), and a call with another prompt or mask, or a second call, is refused.
 
 Memory bound during decode, per layer: packed codes and metadata (≈ 8.5 bits/value of the held prompt, both
 streams), one dequantized prompt in the model dtype ([B, H_kv, S_held, D] for K and for V; the full tier is decoded
@@ -20,9 +24,11 @@ on top (measured against this bound in docs/performance.md). The cache knows not
 its telemetry is a `Trace` (`cache.trace`, `cache.stats`)."""
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 import warnings
+import weakref
 
 import torch
 from transformers.cache_utils import Cache
@@ -34,6 +40,9 @@ from ..quant import SplitKV
 from ..trace import Trace
 from .layer import KINDS, LynxLayer
 
+PROMPT_MISMATCH = ("generate got another prompt than the one this LynxCache was prefilled with (its ids or its "
+                   "attention mask differ): pass generate the input_ids and attention_mask given to from_prefill "
+                   "(a padded batch needs attention_mask= in both)")
 PLAIN_GENERATE_HINT = ("LynxCache: generate() without custom_generate waits for the residual stream and decodes on "
                        "the full tier. Pass custom_generate=lynx_hf.speculative_generate to draft on the anchor tier "
                        "while the residual streams in (same output).")
@@ -65,11 +74,89 @@ class LynxCache(Cache):
         self.loader = None
         self.used = False  # a generation has consumed this cache (one request per cache)
         self.trace = Trace()
+        self._prompt: tuple | None = None  # (key, last token per row, mask or None) of the prompt (expect_prompt)
+        self._generate_calls = 0
+        self._hooks: list = []
+        self._bound = False  # bind(model) was called: plain generate can take the prefill's first-step logits
 
     @classmethod
     def for_model(cls, model, prompt_len: int, **kw) -> "LynxCache":
         windows = layer_windows(model.config)
-        return cls(len(windows), prompt_len, sliding_windows=windows, **kw)
+        return cls(len(windows), prompt_len, sliding_windows=windows, **kw).bind(model)
+
+    # -- which request this cache serves ------------------------------------------------------------------------------
+    def expect_prompt(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> "LynxCache":
+        """Record the prompt [B, P] (and its mask; None: no padding) whose KV this cache holds."""
+        if input_ids.dim() != 2 or input_ids.shape[1] != self.prompt_len:
+            raise ValueError(f"expect_prompt: input_ids must be [B, {self.prompt_len}], got {tuple(input_ids.shape)}")
+        mask = _norm_mask(attention_mask, input_ids)
+        self._prompt = (_prompt_key(input_ids, mask), input_ids[:, -1].tolist(), mask)
+        return self
+
+    def check_prompt(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+        """Raise ValueError unless [B, P] input_ids and their mask are the recorded prompt's (no record: no check)."""
+        if self._prompt is None:
+            return
+        if _prompt_key(input_ids, _norm_mask(attention_mask, input_ids)) != self._prompt[0]:
+            raise ValueError(PROMPT_MISMATCH)
+
+    @property
+    def _is_user_defined(self) -> bool:
+        return self._generate_calls > 0
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value: bool) -> None:
+        # Transformers' generate sets this flag on a cache passed to it, once per call: a second call on one cache
+        # would silently continue the first call's tail
+        if value:
+            if self._generate_calls:
+                raise ValueError("this LynxCache was already used for a generation; build a new one per request")
+            self._generate_calls += 1
+
+    # -- plain generate: the prefill's exact first-step logits --------------------------------------------------------
+    def bind(self, model) -> "LynxCache":
+        """Hook `model` so that a plain `generate(prompt, cache=self)` checks the prompt it re-runs and takes the
+        prefill's logits for it (the hooks act only inside a generate call on this cache, then go)."""
+        ref = weakref.ref(self)
+
+        def pre(module, args, kwargs):
+            c = ref()
+            if c is not None and kwargs.get("cache") is c and c._generate_calls:
+                c._plain_first_forward(kwargs.get("input_ids"), kwargs.get("attention_mask"))
+
+        def post(module, args, kwargs, output):
+            c = ref()
+            if c is not None and kwargs.get("cache") is c and c._generate_calls:
+                c._plain_first_logits(output)
+                c.unbind()
+
+        self._hooks = [model.register_forward_pre_hook(pre, with_kwargs=True),
+                       model.register_forward_hook(post, with_kwargs=True)]
+        weakref.finalize(self, _remove_hooks, list(self._hooks))
+        self._bound = True
+        return self
+
+    def unbind(self) -> None:
+        _remove_hooks(self._hooks)
+        self._hooks = []
+
+    def _plain_first_forward(self, ids, mask) -> None:
+        self._substitute = ids is not None and ids.shape[1] == 1  # the re-run last prompt position alone
+        if self._prompt is None or ids is None:
+            return
+        _, last, want = self._prompt
+        if ids.shape[0] != len(last):
+            raise ValueError(f"LynxCache holds {len(last)} sequence(s) but the model ran {ids.shape[0]}: num_beams > 1 "
+                             f"and num_return_sequences > 1 are not supported")
+        got = _norm_mask(None if mask is None else mask[:, :self.prompt_len], ids[:, :1].expand(-1, self.prompt_len))
+        if ids[:, 0].tolist() != last or not torch.equal(got.cpu(), want):
+            raise ValueError(PROMPT_MISMATCH)
+
+    def _plain_first_logits(self, output) -> None:
+        if not getattr(self, "_substitute", False):
+            return
+        logits = self.wait_logits()
+        output.logits[:, -1] = logits.to(output.logits.device, output.logits.dtype)
 
     # telemetry (lynx_hf.trace): the typed record, and the lists the demo and benchmarks read
     @property
@@ -257,6 +344,10 @@ class LynxCache(Cache):
     def _start_plain_generate(self) -> None:
         """A forward pass without speculative_generate: the full tier, once it has landed; the first forward re-runs
         the prompt's last position (get_seq_length said P - 1), whose streamed KV each layer keeps."""
+        if self._generate_calls and not self._bound:
+            raise ValueError("generate() without custom_generate needs a LynxCache that knows its model, to take the "
+                             "prefill's logits for the first step: build it with LynxCache.for_model / from_prefill "
+                             "or call cache.bind(model) first (or pass custom_generate=lynx_hf.speculative_generate)")
         warnings.warn(PLAIN_GENERATE_HINT, stacklevel=3)
         self.pin_tier("full")
 
@@ -288,14 +379,19 @@ class LynxCache(Cache):
                      residual_after_tokens: int | None = None):
         """Prefill locally in full precision, encode each layer's KV, and return (cache, first_token [B, 1]) with the
         prefill's logits in the cache (first_token is their argmax, for callers that append it themselves).
+        Without attention_mask, pad tokens in the prompt are masked as `generate` masks them (pad_token_id of the
+        model's generation config, when it is not an EOS id); generate must then get the same prompt and mask.
         The anchor lands at once; the residual after `residual_after_steps` draft steps (None: at once; the older
         name `residual_after_tokens` is a deprecated alias), or, with bandwidth_bps (bits/s), both stream over a
         simulated link in a background thread."""
-        from ..local import prefill
+        from ..local import generate_mask, prefill
 
+        if attention_mask is None:  # as generate infers it: pad tokens (pad != eos) are masked
+            attention_mask = generate_mask(model, input_ids)
         kv, logits = prefill(model, input_ids, attention_mask)
         cache = cls.from_kv(model, input_ids.shape[1], kv, logits, quant_config, residual_after_steps, spec_config,
                             bandwidth_bps, residual_after_tokens=residual_after_tokens)
+        cache.expect_prompt(input_ids, attention_mask)
         return cache, logits.argmax(-1, keepdim=True)
 
     @classmethod
@@ -312,3 +408,24 @@ class LynxCache(Cache):
         InProcessLoader(kv, cache.quant_config, residual_after_steps, bandwidth_bps,
                         residual_after_tokens=residual_after_tokens).attach(cache)
         return cache
+
+
+def _norm_mask(mask: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
+    """The prompt's mask as a CPU bool tensor [B, P] (None: all visible)."""
+    if mask is None:
+        return torch.ones(ids.shape, dtype=torch.bool)
+    if tuple(mask.shape) != tuple(ids.shape):
+        raise ValueError(f"attention_mask {tuple(mask.shape)} does not match input_ids {tuple(ids.shape)}")
+    return mask.detach().bool().cpu()
+
+
+def _prompt_key(ids: torch.Tensor, mask: torch.Tensor) -> str:
+    h = hashlib.sha256(str(tuple(ids.shape)).encode())
+    h.update(ids.detach().long().cpu().numpy().tobytes())
+    h.update(mask.numpy().tobytes())
+    return h.hexdigest()
+
+
+def _remove_hooks(handles) -> None:
+    for h in handles:
+        h.remove()

@@ -87,7 +87,7 @@ class ChainDrafter(Drafter):
         self.ctx = torch.cat([self.ctx, tok[:, None]], -1)
         self.probs.append(q)
         s.put_provisional(tok)
-        self.going &= ~s.sc(self.ctx, None)
+        self.going &= ~torch.isin(tok, s.eos_ids)  # the stopping criteria see verified tokens only
 
     def verify(self):
         s, k = self.s, self.ctx.shape[1] - self.n0
@@ -119,9 +119,7 @@ class TreeDrafter(Drafter):
         self.slots = state.seq.new_zeros(state.B, 0)   # tree nodes whose KV the cache's tail holds, in order
         self.main: list = []                           # per depth: the node [B] streamed provisionally, or None
         self.root_pos = state.position([self.n0 - 1] * state.B)               # [B]: the last verified token's
-        ids = [c.eos_token_id for c in state.sc if hasattr(c, "eos_token_id")]
-        ids = [t.reshape(-1) for t in ids if isinstance(t, torch.Tensor)]
-        self.stop = torch.cat(ids).to(dev) if ids else state.seq.new_zeros(0)  # EOS ids: never expanded
+        self.stop = state.eos_ids  # never expanded
 
     def can_step(self) -> bool:
         return self.tree.size == 0 or self.tree.frontier.shape[1] > 0

@@ -16,20 +16,26 @@ import time
 
 from ..cache import LynxCache
 from .drafters import ChainDrafter, TreeDrafter
-from .masks import takes_custom_masks
 from .policy import DraftPolicy
 from .state import DecodeState
+from .support import drafting, refuse_model, refuse_options, warn_narrowed
 
 
 def speculative_generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                         synced_gpus: bool = False, streamer=None, lynx_streamer=None, **model_kwargs):
+                         synced_gpus: bool = False, streamer=None, lynx_streamer=None, stop_strings=None,
+                         token_healing=None, **model_kwargs):
     """`custom_generate` entry point. input_ids: the prompt whose KV `cache` holds ([B, P]), or the prompt plus the
     prefill's first token ([B, P + 1]). Every logits processor and stopping criterion applies to the first token,
     to drafts and to verified tokens alike. Streaming: transformers 5.x forwards only a callable's *extra*
     parameters, so `generate(streamer=...)` never reaches this function; pass the streamer as `lynx_streamer=`
     (any Transformers streamer; a SpeculativeStreamer also gets the provisional drafts). For the same reason
-    `stop_strings=`/`tokenizer=` cannot reach generate's criteria builder; pass
-    `stopping_criteria=[StopStringCriteria(tokenizer, stops)]`. Rows of a batch accept drafts independently
+    `tokenizer=` never reaches a callable either, so `stop_strings` (declared here, so that generate does not fail
+    first) is refused with the way out: `stopping_criteria=[StopStringCriteria(tokenizer, stops)]`, which stops at
+    the same tokens (the Hub folder's `generate` builds it for you). Whatever cannot equal plain `generate` stops
+    here at once with one error (engine/support.py: the prompt must be the one the cache was prefilled with, mask
+    included; no contrastive search, DoLa, token healing; LongRoPE only within its original range); drafting
+    narrows (chain in lock-step, or none, with a warning) where a model or a logits processor cannot take it.
+    Stopping criteria see verified tokens only. Rows of a batch accept drafts independently
     (`cache.stats["accepted_per_row"]`); the scores of steps a finished, padded row did not run are −inf but 0 at
     the pad token."""
     gc = generation_config
@@ -41,19 +47,37 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
                          "num_return_sequences > 1 are not supported")
     if gc.output_attentions or gc.output_hidden_states:
         raise ValueError("speculative_generate does not return attentions or hidden states")
+    if stop_strings:
+        raise ValueError("stop_strings cannot work with custom_generate=speculative_generate: Transformers does not "
+                         "hand a callable custom_generate its tokenizer. Pass stopping_criteria=[transformers."
+                         "StopStringCriteria(tokenizer, stop_strings)] instead (the same stopping points)")
+    if token_healing:
+        gc.token_healing = True  # refused below with the way out
+    refuse_options(gc)
     P, n_in = cache.prompt_len, input_ids.shape[1]
     if n_in not in (P, P + 1):
         raise ValueError(f"input_ids must be the {P} prompt tokens whose KV the cache holds (optionally followed by "
                          f"the prefill's first token), got {n_in} tokens")
+    mask = model_kwargs.get("attention_mask")
+    cache.check_prompt(input_ids[:, :P], None if mask is None else mask[:, :P])
+    max_length = getattr(stopping_criteria, "max_length", None)
+    max_pos = None if max_length is None else \
+        (P if mask is None else int(mask[:, :P].sum(-1).max())) + max_length - P - 1
+    refuse_model(model, max_pos)
     if cache.used:
         raise ValueError("this LynxCache was already used for a generation; build a new one per request")
     cache.used = True
+    cache.unbind()  # the plain-generate hooks (LynxCache.bind) have no part in this loop
     cache.trace.start()
     streamer = lynx_streamer if lynx_streamer is not None else streamer
-    s = DecodeState(model, input_ids, cache, model_kwargs.get("attention_mask"), logits_processor,
-                    stopping_criteria, gc, streamer)
+    s = DecodeState(model, input_ids, cache, mask, logits_processor, stopping_criteria, gc, streamer)
+    spec = cache.spec_config
+    plan = drafting(model, logits_processor, stopping_criteria, s.do_sample, max_pos)
+    if spec.draft_while_waiting and spec.max_draft_steps > 0:
+        warn_narrowed(plan)
+    s.ragged = plan.ragged
     try:
-        _run(s, bare=n_in == P)
+        _run(s, plan.mode, bare=n_in == P)
     except BaseException:
         s.resolve(0)  # provisional drafts never become final when verification did not happen
         raise
@@ -74,7 +98,7 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
     return ids
 
 
-def _run(s: DecodeState, bare: bool) -> None:
+def _run(s: DecodeState, mode: str, bare: bool) -> None:
     cache, spec, stats = s.cache, s.cache.spec_config, s.cache.stats
     if s.streamer is not None:
         s.streamer.put(s.seq[:, :s.P].cpu())
@@ -95,9 +119,9 @@ def _run(s: DecodeState, bare: bool) -> None:
         return
     cache.wait_anchors()
     stats.anchors_at_s = cache.trace.since()
-    if spec.draft_while_waiting and spec.max_draft_steps > 0 and not cache.residual_ready():
+    if mode != "none" and spec.draft_while_waiting and spec.max_draft_steps > 0 and not cache.residual_ready():
         cache.set_tier("anchor")
-        _draft_and_verify(s, spec)
+        _draft_and_verify(s, spec, mode == "tree" and (spec.tree_width > 1 or spec.tree_branch > 1))
     else:
         cache.wait_residual()
         cache.set_tier("full")
@@ -109,15 +133,10 @@ def _run(s: DecodeState, bare: bool) -> None:
         s.flush()
 
 
-def use_tree(s: DecodeState) -> bool:
-    spec = s.cache.spec_config
-    return not s.do_sample and (spec.tree_width > 1 or spec.tree_branch > 1) and takes_custom_masks(s.model)
-
-
-def _draft_and_verify(s: DecodeState, spec) -> None:
+def _draft_and_verify(s: DecodeState, spec, tree: bool) -> None:
     """Draft steps on the anchor tier while the residual is (not nearly) in, then one verification pass."""
     cache, trace = s.cache, s.cache.trace
-    drafter = TreeDrafter(s) if use_tree(s) else ChainDrafter(s)
+    drafter = TreeDrafter(s) if tree else ChainDrafter(s)
     budget = spec.max_draft_steps if s.max_length is None else min(spec.max_draft_steps, s.max_length - drafter.n0)
     policy = DraftPolicy(cache)
     while drafter.steps < budget and drafter.can_step() and policy.another_step():

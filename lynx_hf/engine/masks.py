@@ -1,7 +1,8 @@
 """Attention masks the engine builds itself, for passes a 2D padding mask cannot describe: tree passes (each node
 sees its ancestors) and rows with holes (ragged acceptance left invalid positions in a row's tail).
 
-`layer_masks(model, cache, vis, q_pos, k_pos)`: vis [B, q, K] bool — which of the K cache positions (after the pass)
+`layer_masks(model, layers, dtype, vis, q_pos, k_pos)`: layers (each with is_sliding, offset, sliding_window:
+the cache's), the cache's dtype; vis [B, q, K] bool — which of the K cache positions (after the pass)
 each of the q new tokens may see — and the logical positions of queries [B, q] and keys [B, K] → what the model's
 forward takes as `attention_mask`: one 4D mask [B, 1, q, K_layer], or a dict per layer type (models mixing full and
 sliding layers). A sliding layer holds keys from its offset on and sees only keys less than W positions back."""
@@ -20,10 +21,10 @@ def takes_custom_masks(model) -> bool:
     return attn_impl(model) in CUSTOM_MASK_ATTENTION
 
 
-def layer_masks(model, cache, vis: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
+def layer_masks(model, layers, dtype, vis: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
     impl = attn_impl(model)
     masks = {}
-    for layer in cache.layers:
+    for layer in layers:
         kind = "sliding_attention" if layer.is_sliding else "full_attention"
         if kind in masks:
             continue
@@ -32,7 +33,6 @@ def layer_masks(model, cache, vis: torch.Tensor, q_pos: torch.Tensor, k_pos: tor
             m = m & ((q_pos[:, :, None] - k_pos[:, None, layer.offset:]) < layer.sliding_window)
         m = m[:, None]                                                           # [B, 1, q, K_layer]
         if impl != "sdpa":  # additive float mask
-            dt = cache.dtype
-            m = torch.zeros(m.shape, dtype=dt, device=m.device).masked_fill(~m, torch.finfo(dt).min)
+            m = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, torch.finfo(dtype).min)
         masks[kind] = m
     return masks if len(masks) > 1 else next(iter(masks.values()))

@@ -14,12 +14,13 @@ holes a pass goes through the model's own 2D-mask path; with holes, or for tree 
 (masks.py), which needs an attention implementation that takes them — elsewhere rows accept in lock-step."""
 from __future__ import annotations
 
+import inspect
 from collections import defaultdict
 
 import torch
 from torch import nn
 
-from .masks import layer_masks, takes_custom_masks
+from .masks import layer_masks
 
 
 class DecodeState:
@@ -36,7 +37,12 @@ class DecodeState:
         # as plain generate: finished rows get the pad token only when an EOS criterion is present
         self.pad = int(pad.reshape(-1)[0]) if has_eos and pad is not None else None
         self.max_length = getattr(stopping_criteria, "max_length", None)
-        self.ragged = takes_custom_masks(model)  # rows accept independently (else in lock-step)
+        self.ragged = False  # rows accept drafts independently (else in lock-step); set by the loop (support.py)
+        # positions always go in as position_ids, as generate passes them, where the model takes them
+        self.pass_positions = "position_ids" in inspect.signature(getattr(model, "forward", model)).parameters
+        ids = [c.eos_token_id for c in stopping_criteria if hasattr(c, "eos_token_id")]
+        ids = [t.reshape(-1) for t in ids if isinstance(t, torch.Tensor)]
+        self.eos_ids = torch.cat(ids).to(dev) if ids else input_ids.new_zeros(0)  # drafting stops at these
         cap = max(T, self.max_length or 0) + 1
         self.seq = input_ids.new_zeros(B, cap)                                   # seq: [B, cap], rows of n[b]
         self.seq[:, :T] = input_ids
@@ -203,15 +209,15 @@ class DecodeState:
             raise RuntimeError(f"cache holds {S} positions, the engine tracks {self.kv_valid.shape[1]}")
         k_pos = torch.cat([self.kv_pos, pos], 1)
         if vis is None and not self.holes():
-            kw = {}
+            kw = {"position_ids": pos} if self.pass_positions else {}
             if self.has_padding:
-                am = torch.cat([self.kv_valid, self.kv_valid.new_ones(B, n)], 1)
-                kw = {"attention_mask": am, "position_ids": pos}
+                kw["attention_mask"] = torch.cat([self.kv_valid, self.kv_valid.new_ones(B, n)], 1)
         else:
             if vis is None:
                 causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
                 vis = torch.cat([self.kv_valid[:, None, :].expand(B, n, S), causal.expand(B, n, n)], -1)
-            kw = {"attention_mask": layer_masks(self.model, self.cache, vis, pos, k_pos), "position_ids": pos}
+            masks = layer_masks(self.model, self.cache.layers, self.cache.dtype, vis, pos, k_pos)
+            kw = {"attention_mask": masks, "position_ids": pos}
         out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=n_logits, **kw)
         if isinstance(valid, bool):
             valid = self.kv_valid.new_full((B, n), valid)
