@@ -198,6 +198,8 @@ def test_a_second_generate_on_one_cache_is_refused():
     ids = prompt()
     for custom in ({"custom_generate": lynx_hf.speculative_generate}, {}):
         cache, _ = LynxCache.from_prefill(model, ids, residual_after_steps=0)
+        with pytest.raises(ValueError, match="another prompt"):   # refused before it ran: the cache stays usable
+            model.generate(prompt(2), cache=cache, max_new_tokens=4, do_sample=False, **custom)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model.generate(ids, cache=cache, max_new_tokens=4, do_sample=False, **custom)

@@ -43,6 +43,9 @@ from .layer import KINDS, LynxLayer
 PROMPT_MISMATCH = ("generate got another prompt than the one this LynxCache was prefilled with (its ids or its "
                    "attention mask differ): pass generate the input_ids and attention_mask given to from_prefill "
                    "(a padded batch needs attention_mask= in both)")
+UNBOUND_PLAIN = ("generate() without custom_generate needs a LynxCache that knows its model, to take the prefill's "
+                 "logits for the first step: build it with LynxCache.for_model / from_prefill or call "
+                 "cache.bind(model) first (or pass custom_generate=lynx_hf.speculative_generate)")
 PLAIN_GENERATE_HINT = ("LynxCache: generate() without custom_generate waits for the residual stream and decodes on "
                        "the full tier. Pass custom_generate=lynx_hf.speculative_generate to draft on the anchor tier "
                        "while the residual streams in (same output).")
@@ -75,7 +78,8 @@ class LynxCache(Cache):
         self.used = False  # a generation has consumed this cache (one request per cache)
         self.trace = Trace()
         self._prompt: tuple | None = None  # (key, last token per row, mask or None) of the prompt (expect_prompt)
-        self._generate_calls = 0
+        self._in_generate = False  # a generate call has this cache (Transformers flagged it as user defined)
+        self.generated = False     # a generation has run on it: it serves no other
         self._hooks: list = []
         self._bound = False  # bind(model) was called: plain generate can take the prefill's first-step logits
 
@@ -102,16 +106,15 @@ class LynxCache(Cache):
 
     @property
     def _is_user_defined(self) -> bool:
-        return self._generate_calls > 0
+        return self._in_generate
 
     @_is_user_defined.setter
     def _is_user_defined(self, value: bool) -> None:
         # Transformers' generate sets this flag on a cache passed to it, once per call: a second call on one cache
-        # would silently continue the first call's tail
-        if value:
-            if self._generate_calls:
-                raise ValueError("this LynxCache was already used for a generation; build a new one per request")
-            self._generate_calls += 1
+        # would silently continue the first call's tail (a call refused before it ran leaves the cache usable)
+        if value and self.generated:
+            raise ValueError("this LynxCache was already used for a generation; build a new one per request")
+        self._in_generate = bool(value)
 
     # -- plain generate: the prefill's exact first-step logits --------------------------------------------------------
     def bind(self, model) -> "LynxCache":
@@ -121,12 +124,12 @@ class LynxCache(Cache):
 
         def pre(module, args, kwargs):
             c = ref()
-            if c is not None and kwargs.get("cache") is c and c._generate_calls:
+            if c is not None and kwargs.get("cache") is c and c._in_generate:
                 c._plain_first_forward(kwargs.get("input_ids"), kwargs.get("attention_mask"))
 
         def post(module, args, kwargs, output):
             c = ref()
-            if c is not None and kwargs.get("cache") is c and c._generate_calls:
+            if c is not None and kwargs.get("cache") is c and c._in_generate:
                 c._plain_first_logits(output)
                 c.unbind()
 
@@ -319,6 +322,10 @@ class LynxCache(Cache):
 
     # -- Transformers' Cache ------------------------------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if self._in_generate and not self.generated:  # the first forward of a plain generate call
+            if not self._bound:
+                raise ValueError(UNBOUND_PLAIN)
+            self.generated = True
         if self._pending_full[layer_idx]:
             self._materialise_pending(layer_idx)
         if self.layers[layer_idx].tier is None:
@@ -344,10 +351,6 @@ class LynxCache(Cache):
     def _start_plain_generate(self) -> None:
         """A forward pass without speculative_generate: the full tier, once it has landed; the first forward re-runs
         the prompt's last position (get_seq_length said P - 1), whose streamed KV each layer keeps."""
-        if self._generate_calls and not self._bound:
-            raise ValueError("generate() without custom_generate needs a LynxCache that knows its model, to take the "
-                             "prefill's logits for the first step: build it with LynxCache.for_model / from_prefill "
-                             "or call cache.bind(model) first (or pass custom_generate=lynx_hf.speculative_generate)")
         warnings.warn(PLAIN_GENERATE_HINT, stacklevel=3)
         self.pin_tier("full")
 

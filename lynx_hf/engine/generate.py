@@ -66,7 +66,7 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
     refuse_model(model, max_pos)
     if cache.used:
         raise ValueError("this LynxCache was already used for a generation; build a new one per request")
-    cache.used = True
+    cache.used = cache.generated = True
     cache.unbind()  # the plain-generate hooks (LynxCache.bind) have no part in this loop
     cache.trace.start()
     streamer = lynx_streamer if lynx_streamer is not None else streamer
