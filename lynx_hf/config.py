@@ -139,10 +139,11 @@ class SpecConfig:
     verification may throw away (0: never draft, wait for the full tier; `max_draft_tokens` is its deprecated
     alias); draft_while_waiting=False also disables drafting. The residual is re-checked between draft steps; no
     step starts when it is due within `verify_lead` steps.
-    Greedy drafts a tree (docs/drafting.md): each step runs at most `tree_width` frontier nodes and gives each its
-    `tree_branch` best children, scored by log-softmax(scores / tree_temperature) (calibrated to predict the full
-    tier's argmax), children more than `tree_cutoff` nats below the best are not expanded, and the verify pass runs
-    the `verify_nodes` best nodes. tree_width = tree_branch = 1 drafts a chain; sampling always drafts a chain."""
+    Greedy drafts a tree (docs/drafting.md): each step runs at most `tree_width` frontier nodes and gives each the
+    children its distribution needs — its tokens within `tree_cutoff` nats of its best, at most `tree_branch` —
+    scored by log-softmax(scores / tree_temperature) (calibrated to predict the full tier's argmax); children more
+    than `tree_cutoff` nats below the best are not expanded, and the verify pass runs the `verify_nodes` best
+    nodes. tree_width = tree_branch = 1 drafts a chain; sampling always drafts a chain."""
 
     max_draft_steps: int = 64
     draft_while_waiting: bool = True
@@ -151,7 +152,7 @@ class SpecConfig:
     verify_nodes: int = 128
     tree_temperature: float = 0.1
     tree_cutoff: float = 10.0
-    verify_lead: float = 1.0
+    verify_lead: float = 3.0
     max_draft_tokens: int | None = None  # deprecated alias of max_draft_steps
 
     def __post_init__(self):

@@ -19,6 +19,7 @@ class Stats:
     accepted_per_row: list = field(default_factory=list)  # accepted drafts of each row (0 for rows already done)
     rounds: int = 0                  # verification passes
     tree_nodes: int = 0              # tree nodes verified
+    draft_nodes: list = field(default_factory=list)  # positions each draft step ran per row (a tree's frontier)
     ttft_draft_s: float | None = None     # first draft token
     ttft_verified_s: float | None = None  # first verified token
     verify_s: float = 0.0            # wall time of verification passes

@@ -7,10 +7,12 @@ same shape of bookkeeping — n nodes, each with a token, a parent (node index, 
 
     tokens [B, n] long, parent [B, n] long, depth [B, n] long, score [B, n] float32.
 
-Growth is layer by layer (EAGLE-2 style): a draft step runs the current frontier (m nodes of one depth) in one
-forward pass, gives each its `branch` most probable children, and keeps the m best of those children by score as
-the next frontier. A child's score never exceeds its parent's, so the n best nodes of a tree (ties broken by depth)
-always form a subtree: `best_subtree` picks what a verification pass runs."""
+Growth is layer by layer (EAGLE-2 style, by confidence): a draft step runs the current frontier (m nodes of one
+depth) in one forward pass, gives each the children its distribution needs (its tokens within `cutoff` nats of
+its best, at most `branch`), and keeps the best of those children by score, within `cutoff` of the best, as the
+next frontier: one node where the draft is sure, several only while near-ties are open. A child's score never
+exceeds its parent's, so the n best nodes of a tree (ties broken by depth) always form a subtree: `best_subtree`
+picks what a verification pass runs."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -45,10 +47,13 @@ class Tree:
     def add_children(self, logp: torch.Tensor, branch: int, width: int, stop: torch.Tensor | None = None,
                      cutoff: float = float("inf")) -> None:
         """logp [B, m, V]: the draft's log-probabilities after each frontier node (after the root when the tree is
-        empty, m = 1). Adds each one's `branch` most probable children and makes the best of them by cumulative score
-        the next frontier: at most `width`, never a child whose token is in `stop` [S] (e.g. EOS), none scoring more
-        than `cutoff` below the best new child. The frontier has as many columns as the row that keeps most; it is
-        empty when no row has a child worth expanding (e.g. EOS is all but certain)."""
+        empty, m = 1). Gives each node as many children as its own distribution needs — its tokens within `cutoff`
+        of its most probable one, at most `branch` (one where the draft is sure, several at near-ties) — and makes
+        the best of them by cumulative score the next frontier: at most `width`, never a child whose token is in
+        `stop` [S] (e.g. EOS), none scoring more than `cutoff` below the best new child. Every node of a step gets
+        the same number of child slots (the most any node needs); the slots a node does not need score −inf and are
+        never expanded or verified. The frontier has as many columns as the row that keeps most; it is empty when no
+        row has a child worth expanding (e.g. EOS is all but certain)."""
         B, m, V = logp.shape
         if self.size == 0:
             if m != 1:
@@ -60,7 +65,10 @@ class Tree:
             par, base = self.frontier, self.score.gather(1, self.frontier)
             d = int(self.depth.gather(1, self.frontier[:, :1]).max())
         k = min(branch, V)
-        top, tok = logp.float().topk(k, dim=-1)                          # [B, m, k]
+        top, tok = logp.float().topk(k, dim=-1)                          # [B, m, k], best first
+        need = top >= top[..., :1] - cutoff                              # the children each node needs
+        k = max(1, int(need.sum(-1).max()))
+        top, tok = top[..., :k].masked_fill(~need[..., :k], float("-inf")), tok[..., :k]
         score = (base[:, :, None] + top).reshape(B, m * k)
         tok = tok.reshape(B, m * k)
         par = par[:, :, None].expand(B, m, k).reshape(B, m * k)

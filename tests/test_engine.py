@@ -186,7 +186,7 @@ def test_residual_landing_before_the_first_tree_step(monkeypatch):
     verified (the root alone) and decoding goes on, exact."""
     from lynx_hf.engine.policy import DraftPolicy
 
-    monkeypatch.setattr(DraftPolicy, "another_step", lambda self: False)
+    monkeypatch.setattr(DraftPolicy, "another_step", lambda self, nodes=1: False)
     got, st, _ = generate([FULL], [[9] * 12], after=4, max_new=6)
     assert got == [FULL[:6]] and (st["drafted"], st["accepted"], st["rounds"]) == (0, 0, 1)
 

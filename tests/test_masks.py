@@ -46,3 +46,35 @@ def test_one_layer_type_gives_one_mask():
     pos = torch.arange(10)[None]
     m = layer_masks(model, cache.layers, cache.dtype, vis, pos[:, -2:], pos)
     assert isinstance(m, torch.Tensor) and m.shape == (1, 1, 2, 10) and bool(m.all())
+
+
+def test_masked_passes_skip_the_kv_copies_and_give_the_same_logits():
+    """A tree pass (4D mask, several query rows) on a GQA model: with `masked_gqa` Transformers' sdpa takes the mask
+    with enable_gqa instead of copying K/V per query head; logits within 1e-5 of the copying path."""
+    from contextlib import nullcontext
+
+    import transformers as tf
+    from transformers import DynamicCache
+
+    from lynx_hf.engine import masks
+
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=64, hidden_size=72, intermediate_size=96,
+                                               num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3,
+                                               head_dim=8)).eval()
+    calls = []
+    real = tf.integrations.sdpa_attention.use_gqa_in_sdpa
+    ids = torch.randint(0, 64, (1, 20))
+    vis = torch.rand(1, 6, 26, generator=torch.Generator().manual_seed(1)) < 0.7
+    vis[:, :, :20] = True
+    mask = vis[:, None]
+    out = []
+    for on in (False, True):
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids, cache=cache)
+        with masks.masked_gqa(model, ids.device) if on else nullcontext():
+            calls.append(real(mask, torch.zeros(1, 3, 26, 8), torch.zeros(1, 3, 26, 8)))
+            out.append(model(input_ids=ids[:, :6], cache=cache, attention_mask=mask,
+                             position_ids=torch.arange(20, 26)[None]).logits)
+    assert calls == [False, True]
+    torch.testing.assert_close(out[1], out[0], atol=1e-5, rtol=0)

@@ -71,10 +71,22 @@ def test_draft_policy_stops_when_the_residual_is_due_within_the_lead():
     assert p.another_step()  # nothing known yet
     p.stepped(0.1)
     p.stepped(0.3)
-    assert p.step_s == pytest.approx(0.2)  # moving average of step times
+    assert p.step_s(1) == pytest.approx(0.2)  # one size seen: the mean of its step times
     state["eta"] = 0.5
     assert p.another_step()  # 0.5 s left > 2 steps of 0.2 s
     state["eta"] = 0.35
     assert not p.another_step()  # due within the lead: verify now, overlapping the rest of the transfer
     state["eta"], state["ready"] = 10.0, True
     assert not p.another_step()  # never once the residual is in
+
+
+def test_draft_policy_prices_a_step_by_its_frontier():
+    """Step cost = a + b·nodes, fitted to the steps timed: a wide frontier that would end past the residual's due
+    time is not started while a one-node step still is."""
+    cache = SimpleNamespace(residual_ready=lambda: False, residual_eta=lambda: 0.09,
+                            spec_config=SpecConfig(verify_lead=1.0))
+    p = DraftPolicy(cache)
+    for nodes, t in ((1, 0.060), (8, 0.102), (2, 0.066), (8, 0.098)):
+        p.stepped(t, nodes)
+    assert p.step_s(1) == pytest.approx(0.06, abs=0.004) and p.step_s(8) == pytest.approx(0.10, abs=0.004)
+    assert p.another_step(1) and not p.another_step(8)

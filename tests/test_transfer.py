@@ -293,3 +293,52 @@ def test_an_early_stop_cancels_the_rest_of_the_stream(model_and_tok, prompt):
     local = model.generate(torch.tensor([prompt]), cache=cache, custom_generate=lynx_hf.speculative_generate,
                            max_new_tokens=4, do_sample=False)
     assert full["tokens"] == local[0, len(prompt):].tolist() and short["tokens"] == full["tokens"][:1]
+
+
+VIEWS = {"aten::view", "aten::as_strided", "aten::reshape", "aten::_reshape_alias", "aten::detach", "detach",
+         "aten::alias", "aten::unsqueeze", "aten::select", "aten::slice", "aten::lift_fresh", "aten::empty",
+         "aten::_unsafe_view",
+         "aten::to", "aten::resolve_conj", "aten::resolve_neg"}  # Tensor.numpy() on a CPU tensor: no copy (no copy_)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_receiver_runs_no_torch_compute_op(dtype):
+    """A parallel torch op on the receiving thread starts a second OpenMP pool, which throttles every parallel region
+    of the decoding thread (docs/drafting.md). Everything the receiver does per frame — parse, check against the
+    codec's shapes (worked out beforehand by `serde.warm` on the decoding thread), store, and the logits' NaN check —
+    runs only views there, whatever the tensor sizes (here well above torch's grain size)."""
+    import threading
+    from types import SimpleNamespace
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from lynx_hf.quant import encode
+    from lynx_hf.transfer.serde import pack_segment, warm
+
+    B, H, S, D, cfg = 1, 3, 600, 64, Q()
+    geometry = {"batch": B, "kv_heads": H, "head_dim": D, "windows": [None]}
+    frames = []
+    for kind in ("key", "value"):
+        for off in range(0, S, 256):
+            s = encode(torch.randn(B, H, min(256, S - off), D).to(dtype), cfg, kind)
+            frames += [SimpleNamespace(stream=Stream.ANCHOR, payload=pack_segment(0, kind, off, s, False)),
+                       SimpleNamespace(stream=Stream.RESIDUAL, payload=pack_segment(0, kind, off, s, True))]
+    logits = torch.randn(B, 49152).to(dtype)
+    cache = LynxCache(1, S, cfg, dtype=dtype)
+    loader = NetworkLoader(None, {"prompt_len": S, "num_layers": 1}, rid=1)
+    loader.cache = cache
+    warm(cfg, geometry, S, dtype)                       # the decoding thread's part
+    ops = {}
+
+    def receive():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for f in frames:
+                loader._segment(f, B, H, D, dtype)
+            cache.put_logits(logits)
+        ops["names"] = {e.name for e in prof.events()}
+
+    t = threading.Thread(target=receive)
+    t.start()
+    t.join()
+    assert cache.residual_ready() and cache.prefill_logits is not None
+    assert ops["names"] <= VIEWS, ops["names"] - VIEWS

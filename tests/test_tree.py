@@ -176,3 +176,26 @@ def _ancestry(parent_row, i):
         out.append(i)
         i = int(parent_row[i])
     return out
+
+
+def test_children_by_confidence():
+    """A sure node gets one child, a near-tie as many as lie within the cutoff (at most `branch`); unneeded slots
+    score −inf and never reach the frontier."""
+    from lynx_hf.tree import Tree
+
+    logp = torch.full((1, 1, 10), -50.0)
+    logp[0, 0, 3] = 0.0
+    t = Tree.empty(1, "cpu")
+    t.add_children(logp, branch=4, width=8, cutoff=5.0)
+    assert t.tokens.tolist() == [[3]] and t.frontier.tolist() == [[0]]
+    logp = torch.full((1, 1, 10), -50.0)
+    logp[0, 0, [5, 6, 7]] = torch.tensor([0.0, -1.0, -4.0])               # near-ties: three children within the cutoff
+    t.add_children(logp, branch=4, width=8, cutoff=5.0)
+    assert t.tokens[0, 1:].tolist() == [5, 6, 7] and t.frontier.tolist() == [[1, 2, 3]]
+    two = torch.full((1, 3, 10), -50.0)
+    two[0, :, 1] = 0.0
+    two[0, 0, 2] = -0.5                                                     # only node 1 has a runner-up
+    t.add_children(two, branch=4, width=8, cutoff=5.0)
+    new = t.score[0, 4:]
+    assert new.shape[0] == 6 and torch.isinf(new).sum() == 2               # 2 slots each, one unneeded per sure node
+    assert t.frontier.shape[1] == 4 and bool(torch.isfinite(t.score.gather(1, t.frontier)).all())

@@ -30,6 +30,7 @@ import time
 import warnings
 import weakref
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
@@ -191,7 +192,7 @@ class LynxCache(Cache):
         """The prefill's last-position logits, [B, V] (raw, before any logits processor)."""
         if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
             raise ValueError(f"prefill logits must be a float tensor [B, V], got {getattr(logits, 'shape', logits)}")
-        if torch.isnan(logits).any():
+        if _has_nan(logits):
             raise ValueError("prefill logits contain NaN")
         with self._changed:
             if self.prefill_logits is not None:
@@ -411,6 +412,17 @@ class LynxCache(Cache):
         InProcessLoader(kv, cache.quant_config, residual_after_steps, bandwidth_bps,
                         residual_after_tokens=residual_after_tokens).attach(cache)
         return cache
+
+
+def _has_nan(t: torch.Tensor) -> bool:
+    """NaN anywhere in t, checked without a torch op for CPU tensors: `put_logits` runs on a receiving thread, where
+    a parallel torch op would start a second OpenMP pool (see transfer.serde.warm)."""
+    if t.device.type != "cpu":
+        return bool(torch.isnan(t).any())
+    if t.dtype in (torch.float16, torch.bfloat16):  # NaN: exponent all ones, mantissa not zero
+        bits = t.detach().view(torch.int16).numpy() & 0x7FFF
+        return bool((bits > (0x7C00 if t.dtype == torch.float16 else 0x7F80)).any())
+    return bool(np.isnan(t.detach().numpy()).any())
 
 
 def _norm_mask(mask: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:

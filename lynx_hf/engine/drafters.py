@@ -34,6 +34,10 @@ class Drafter(ABC):
         """One forward pass on the anchor tier."""
 
     @abstractmethod
+    def next_nodes(self) -> int:
+        """Positions per row the next step would run (what its cost scales with)."""
+
+    @abstractmethod
     def verify(self) -> tuple[list[int], int]:
         """One full-tier pass; emit what each row accepted. Returns (accepted drafts per row, provisional drafts
         that stood)."""
@@ -76,6 +80,9 @@ class ChainDrafter(Drafter):
 
     def can_step(self) -> bool:
         return bool(self.going.any())
+
+    def next_nodes(self) -> int:
+        return 1
 
     def step(self) -> None:
         s = self.s
@@ -123,6 +130,9 @@ class TreeDrafter(Drafter):
 
     def can_step(self) -> bool:
         return self.tree.size == 0 or self.tree.frontier.shape[1] > 0
+
+    def next_nodes(self) -> int:
+        return 1 if self.tree.size == 0 else self.tree.frontier.shape[1]
 
     @staticmethod
     def _visibility(tree: Tree, nodes: torch.Tensor, slots: torch.Tensor, before: torch.Tensor) -> torch.Tensor:

@@ -139,13 +139,14 @@ def _draft_and_verify(s: DecodeState, spec, tree: bool) -> None:
     drafter = TreeDrafter(s) if tree else ChainDrafter(s)
     budget = spec.max_draft_steps if s.max_length is None else min(spec.max_draft_steps, s.max_length - drafter.n0)
     policy = DraftPolicy(cache)
-    while drafter.steps < budget and drafter.can_step() and policy.another_step():
-        t = time.perf_counter()
+    while drafter.steps < budget and drafter.can_step() and policy.another_step(drafter.next_nodes()):
+        t, nodes = time.perf_counter(), drafter.next_nodes()
         drafter.step()
         drafter.steps += 1
         trace.mark("draft")
         trace.stats.drafted += 1
-        policy.stepped(time.perf_counter() - t)
+        trace.stats.draft_nodes.append(nodes)
+        policy.stepped(time.perf_counter() - t, nodes)
         cache.notify_drafted(drafter.steps)
     cache.need_residual()  # a step-count schedule releases the residual now; a real link just goes on
     t = trace.mark("verify_start")

@@ -8,6 +8,9 @@ forward takes as `attention_mask`: one 4D mask [B, 1, q, K_layer], or a dict per
 sliding layers). A sliding layer holds keys from its offset on and sees only keys less than W positions back."""
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
+
 import torch
 
 CUSTOM_MASK_ATTENTION = ("sdpa", "eager")  # implementations that take a custom 4D mask as is
@@ -36,3 +39,19 @@ def layer_masks(model, layers, dtype, vis: torch.Tensor, q_pos: torch.Tensor, k_
             m = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, torch.finfo(dtype).min)
         masks[kind] = m
     return masks if len(masks) > 1 else next(iter(masks.values()))
+
+
+@contextmanager
+def masked_gqa(model, device: torch.device):
+    """Around a pass with the engine's masks: Transformers' sdpa copies K/V once per query head of a group whenever a
+    mask is given (repeat_kv: ×3 for a 9/3-head model, ~145 MB a tree step on the default model), while PyTorch's
+    CPU sdpa takes the mask with `enable_gqa` and gives the same values (tests/test_masks.py); Transformers reads
+    TRANSFORMERS_SDPA_FORCE_GQA at every call. CPU only (elsewhere a masked GQA call may leave the fused kernels)."""
+    if attn_impl(model) != "sdpa" or device.type != "cpu" or os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA") == "1":
+        yield
+        return
+    os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("TRANSFORMERS_SDPA_FORCE_GQA", None)

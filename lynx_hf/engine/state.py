@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import inspect
 from collections import defaultdict
+from contextlib import nullcontext
 
 import torch
 from torch import nn
 
-from .masks import layer_masks
+from .masks import layer_masks, masked_gqa
 
 
 class DecodeState:
@@ -218,7 +219,8 @@ class DecodeState:
                 vis = torch.cat([self.kv_valid[:, None, :].expand(B, n, S), causal.expand(B, n, n)], -1)
             masks = layer_masks(self.model, self.cache.layers, self.cache.dtype, vis, pos, k_pos)
             kw = {"attention_mask": masks, "position_ids": pos}
-        out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=n_logits, **kw)
+        with masked_gqa(self.model, ids.device) if kw.get("attention_mask") is not None else nullcontext():
+            out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=n_logits, **kw)
         if isinstance(valid, bool):
             valid = self.kv_valid.new_full((B, n), valid)
         self.kv_valid, self.kv_pos = torch.cat([self.kv_valid, valid], 1), k_pos

@@ -15,7 +15,7 @@ from ..cache import LynxCache
 from ..config import LynxQuantConfig, SpecConfig
 from ..loader import Loader
 from ..quant.dispatch import prepare
-from .serde import check_residual, to_split, unpack_logits, unpack_segment
+from .serde import check_residual, to_split, unpack_logits, unpack_segment, warm
 from .session import Channel, client_handshake, resolve_secret
 from .transport import TcpTransport, TlsTcpTransport
 from .wire import FrameType, Stream, WireError
@@ -163,6 +163,7 @@ class DecodeClient:
             raise ConnectionError(f"this connection failed earlier ({self._broken}); open a new DecodeClient")
         self._rid += 1
         rid, cfg = self._rid, quant_config or LynxQuantConfig()
+        warm(cfg, self.geometry, len(input_ids), DTYPES[self.geometry["dtype"]])  # the receiver then runs no torch op
         t0 = time.perf_counter()
         self.ch.send_json(FrameType.REQUEST, {"input_ids": list(map(int, input_ids)), "quant_config": cfg.to_dict()}, rid)
         p = self.ch.recv(self.timeout, FrameType.PROMPT).json()

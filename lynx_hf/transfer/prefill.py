@@ -25,11 +25,11 @@ from ..quant.dispatch import prepare
 from .serde import pack_segment, pack_logits
 from .session import Channel, resolve_secret, server_handshake
 from .transport import PRIO_ANCHOR, PRIO_END, PRIO_RESIDUAL, TcpTransport, TlsTcpTransport
-from .wire import MAX_JSON, FrameType, PeerClosed, Stream, WireError, json_frame
+from .wire import MAX_JSON, SEGMENT_TOKENS, FrameType, PeerClosed, Stream, WireError, json_frame
 
 log = logging.getLogger("lynx_hf.prefill")
 MAX_PROMPT = 131072
-SEGMENT = 256  # tokens per SEGMENT frame: small frames keep strict priority responsive
+SEGMENT = SEGMENT_TOKENS  # tokens per SEGMENT frame: small frames keep strict priority responsive
 
 
 def send_layer(ch: Channel, rid: int, cfg: LynxQuantConfig, layer: int, k: torch.Tensor, v: torch.Tensor,

@@ -19,6 +19,12 @@ MAX_PAYLOAD = 64 << 20   # one frame's payload
 MAX_JSON = 4 << 20       # a control payload (prompt ids included)
 MAX_HANDSHAKE = 4096     # any frame before the peer has proven the shared secret
 FLAG_MAC = 1             # the payload ends with a MAC tag (every frame after the handshake)
+SEGMENT_TOKENS = 256     # a layer's held positions travel in SEGMENT frames of this many tokens (the last: the rest)
+
+
+def segment_counts(held: int, segment: int = SEGMENT_TOKENS) -> list[int]:
+    """Token counts of the SEGMENT frames that carry `held` positions of one layer's K or V, in order."""
+    return [min(segment, held - off) for off in range(0, held, segment)]
 
 
 class WireError(LynxError, ValueError):
