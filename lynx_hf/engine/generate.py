@@ -51,9 +51,7 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
         raise ValueError("stop_strings cannot work with custom_generate=speculative_generate: Transformers does not "
                          "hand a callable custom_generate its tokenizer. Pass stopping_criteria=[transformers."
                          "StopStringCriteria(tokenizer, stop_strings)] instead (the same stopping points)")
-    if token_healing:
-        gc.token_healing = True  # refused below with the way out
-    refuse_options(gc)
+    refuse_options(gc, token_healing=bool(token_healing))
     P, n_in = cache.prompt_len, input_ids.shape[1]
     if n_in not in (P, P + 1):
         raise ValueError(f"input_ids must be the {P} prompt tokens whose KV the cache holds (optionally followed by "

@@ -1,8 +1,8 @@
 """What one generation may do, decided before its first token, so that its output is plain `generate`'s on the
 full-tier KV or it stops at once with one clear error — never a silent difference.
 
-  * `refuse_options(gc)`: generation modes and options Lynx cannot reproduce (contrastive search, DoLa, assisted
-    decoding, token healing) raise ValueError.
+  * `refuse_options(gc, token_healing)`: generation modes and options Lynx cannot reproduce (contrastive search,
+    DoLa, assisted decoding, token healing) raise ValueError.
   * `drafting(model, lp, sc, do_sample, max_position)` → `Drafting(mode, ragged, why)`: "tree", "chain" or "none",
     and whether rows may accept drafts independently. Stopping criteria only ever see verified tokens, once per
     emitted column; rows accept independently only with Transformers' own criteria (a row group per length would
@@ -57,13 +57,14 @@ class Drafting:
     why: str = ""      # why drafting is narrower than it could be ("" when it is not)
 
 
-def refuse_options(gc) -> None:
+def refuse_options(gc, token_healing: bool = False) -> None:
+    """token_healing: asked for as a generate argument (a callable custom_generate receives it apart from gc)."""
     mode = gc.get_generation_mode()
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         raise ValueError(f"speculative_generate decodes greedily or by sampling; this generation config asks for "
                          f"{mode.value.replace('_', ' ')} (penalty_alpha, dola_layers, num_beams, an assistant or "
                          f"prompt lookup), which it cannot reproduce")
-    if gc.token_healing:
+    if token_healing or gc.token_healing:
         raise ValueError("token_healing rewrites the prompt's last tokens, whose KV the cache already holds: heal the "
                          "prompt before the prefill (model.heal_tokens(ids, tokenizer)) and build the cache from it")
 
