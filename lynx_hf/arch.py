@@ -54,12 +54,18 @@ def kv_geometry(model) -> dict:
 
 def fingerprint(model) -> str:
     """Identifies the model's architecture and weights: its config, and every parameter's name, shape, a strided
-    sample of its values, its sum and its sum of squares (one pass over the weights, so any change shows)."""
+    sample of its values, and two integer sums over the bits of all its values as float32 (one pass over the weights,
+    so any change shows), exact in any order: the same weights give the same fingerprint on any device and thread
+    count (float sums would not: their rounding follows the reduction order)."""
     h = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
     for name, p in model.named_parameters():
         flat = p.detach().reshape(-1)
         h.update(f"{name}{tuple(p.shape)}".encode())
         h.update(flat[:: max(1, flat.numel() // 64)][:64].float().cpu().numpy().tobytes())
-        f = flat.float()
-        h.update(torch.stack([f.sum(), torch.dot(f, f)]).cpu().numpy().tobytes())
+        s1 = s2 = 0
+        for part in flat.split(1 << 22):  # bounded temporaries; per part |sums| < 2^53: no overflow
+            x = part.float().view(torch.int32)
+            s1 += int(x.sum(dtype=torch.int64))
+            s2 += int(((x & 0xFFFF) * ((x >> 16) & 0x7FFF)).sum(dtype=torch.int64))  # each product < 2^31
+        h.update(f"{s1 % 2**64}:{s2 % 2**64}".encode())
     return h.hexdigest()[:32]

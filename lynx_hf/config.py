@@ -142,14 +142,18 @@ class SpecConfig:
     Greedy drafts a tree (docs/drafting.md): each step runs at most `tree_width` frontier nodes and gives each the
     children its distribution needs — its tokens within `tree_cutoff` nats of its best, at most `tree_branch` —
     scored by log-softmax(scores / tree_temperature) (calibrated to predict the full tier's argmax); children more
-    than `tree_cutoff` nats below the best are not expanded, and the verify pass runs the `verify_nodes` best
-    nodes. tree_width = tree_branch = 1 drafts a chain; sampling always drafts a chain."""
+    than `tree_cutoff` nats below the best, or whose path the full tier takes with probability below
+    `verify_min_prob` (by that calibrated score), are not expanded (each row's best child always is). The verify
+    pass runs the nodes at or above `verify_min_prob` and the best deepest node's path, at most `verify_nodes`:
+    as many as the tree's likely paths. tree_width = tree_branch = 1 drafts a chain; sampling always drafts a
+    chain."""
 
     max_draft_steps: int = 64
     draft_while_waiting: bool = True
     tree_width: int = 8
     tree_branch: int = 4
-    verify_nodes: int = 128
+    verify_nodes: int = 256
+    verify_min_prob: float = 0.003
     tree_temperature: float = 0.1
     tree_cutoff: float = 10.0
     verify_lead: float = 3.0
@@ -168,6 +172,9 @@ class SpecConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not (lo <= v <= hi):
                 raise ConfigError(f"SpecConfig: {name} must be an int in [{lo}, {hi}], got {v!r}")
+        p = self.verify_min_prob
+        if not isinstance(p, (int, float)) or isinstance(p, bool) or not (0.0 < float(p) <= 1.0):
+            raise ConfigError(f"SpecConfig: verify_min_prob must be a probability in (0, 1], got {p!r}")
         for name in ("tree_temperature", "tree_cutoff", "verify_lead"):
             t = getattr(self, name)
             if not isinstance(t, (int, float)) or isinstance(t, bool) or not (0.0 < float(t) <= 1e4):

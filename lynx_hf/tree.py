@@ -45,12 +45,13 @@ class Tree:
         return self.tokens.shape[1]
 
     def add_children(self, logp: torch.Tensor, branch: int, width: int, stop: torch.Tensor | None = None,
-                     cutoff: float = float("inf")) -> None:
+                     cutoff: float = float("inf"), floor: float = float("-inf")) -> None:
         """logp [B, m, V]: the draft's log-probabilities after each frontier node (after the root when the tree is
         empty, m = 1). Gives each node as many children as its own distribution needs — its tokens within `cutoff`
         of its most probable one, at most `branch` (one where the draft is sure, several at near-ties) — and makes
         the best of them by cumulative score the next frontier: at most `width`, never a child whose token is in
-        `stop` [S] (e.g. EOS), none scoring more than `cutoff` below the best new child. Every node of a step gets
+        `stop` [S] (e.g. EOS), none scoring more than `cutoff` below the best new child, and none scoring below
+        `floor` (a node the verify pass would not run) but each row's best (the main line goes on). Every node of a step gets
         the same number of child slots (the most any node needs); the slots a node does not need score −inf and are
         never expanded or verified. The frontier has as many columns as the row that keeps most; it is empty when no
         row has a child worth expanding (e.g. EOS is all but certain)."""
@@ -78,7 +79,9 @@ class Tree:
         self.depth = torch.cat([self.depth, torch.full_like(tok, d + 1)], 1)
         self.score = torch.cat([self.score, score], 1)
         rank = score if stop is None or stop.numel() == 0 else score.masked_fill(torch.isin(tok, stop), float("-inf"))
-        ok = (rank > float("-inf")) & (rank >= score.max(1, keepdim=True).values - cutoff)
+        best = rank.max(1, keepdim=True).values
+        ok = (rank > float("-inf")) & (rank >= score.max(1, keepdim=True).values - cutoff) & \
+            ((rank >= floor) | (rank == best))
         keep = int(ok.sum(1).max().clamp(max=min(width, m * k)))
         self.frontier = first + rank.topk(keep, dim=-1).indices  # [B, keep], best first
 
@@ -97,16 +100,19 @@ class Tree:
         return self.tokens.gather(1, ids.flatten(1)).view(ids.shape)
 
 
-def best_subtree(tree: Tree, n: int, cutoff: float = float("inf")) -> torch.Tensor:
+def best_subtree(tree: Tree, n: int, cutoff: float = float("inf"), floor: float = float("-inf")) -> torch.Tensor:
     """Node indices [B, n'] of the best nodes per row by score (ties: shallower first), sorted by depth then index,
-    so that every node's parent comes before it: at most n, none scoring more than `cutoff` below the row's best
-    deepest node (whose whole path is in, budget permitting), as many per row as the row that keeps most. Always a
-    subtree (ancestor-closed)."""
+    so that every node's parent comes before it: at most n, none scoring below `floor` (a calibrated score: the
+    log-probability that the full tier takes the node's path) nor more than `cutoff` below the row's best deepest
+    node — whose whole path is in whatever its score, budget permitting — as many per row as the row that keeps
+    most. Always a subtree (ancestor-closed). The pass is as large as the tree's likely paths: a few dozen nodes
+    where the draft is sure, up to n at near-ties."""
     if tree.size == 0:  # no draft step ran (the residual landed first): verify the root alone
         return tree.tokens.new_zeros(tree.tokens.shape[0], 0)
     deepest = tree.depth == tree.depth.max(1, keepdim=True).values
     ref = tree.score.masked_fill(~deepest, float("-inf")).max(1, keepdim=True).values   # [B, 1]
-    n = int((tree.score >= ref - cutoff).sum(1).max().clamp(1, min(n, tree.size)))
+    lo = torch.maximum(ref - cutoff, ref.clamp(max=floor))
+    n = int((tree.score >= lo).sum(1).max().clamp(1, min(n, tree.size)))
     order = torch.sort(tree.depth, dim=1, stable=True).indices                 # shallower first among ties
     by_score = torch.sort(tree.score.gather(1, order), dim=1, descending=True, stable=True).indices
     pick = order.gather(1, by_score[:, :n])                                     # [B, n]

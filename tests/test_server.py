@@ -312,14 +312,31 @@ def test_eight_clients_one_stalled_one_vanishing(tiny):
 def test_fingerprint_covers_every_parameter(tiny):
     fp = fingerprint(tiny)
     last_name, last = list(tiny.named_parameters())[-1]
+    was = last.detach().view(-1)[-1].clone()
     with torch.no_grad():
         last.view(-1)[-1] += 1.0  # the last element of the last tensor
     try:
         assert fingerprint(tiny) != fp, last_name
     finally:
         with torch.no_grad():
-            last.view(-1)[-1] -= 1.0
+            last.view(-1)[-1] = was  # exactly (x + 1 - 1 need not be x, and the fingerprint sees one ulp)
     assert fingerprint(tiny) == fp
+
+
+def test_fingerprint_does_not_depend_on_the_thread_count():
+    """Two nodes with the same weights agree whatever their thread counts (a float sum's rounding follows the
+    reduction order: 1 and 2 threads gave different fingerprints for this model)."""
+    torch.manual_seed(0)
+    m = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=50000, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = fingerprint(m)
+        torch.set_num_threads(1)
+        assert fingerprint(m) == two
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

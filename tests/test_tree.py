@@ -1,5 +1,6 @@
 """Token-tree math (lynx_hf.tree) on random distributions, against brute force: growth, the verified subtree, the
 re-indexing, the ancestor mask and the child lookup. Exact (integer bookkeeping; scores are sums of log-probs)."""
+import math
 import pytest
 import torch
 
@@ -199,3 +200,23 @@ def test_children_by_confidence():
     new = t.score[0, 4:]
     assert new.shape[0] == 6 and torch.isinf(new).sum() == 2               # 2 slots each, one unneeded per sure node
     assert t.frontier.shape[1] == 4 and bool(torch.isfinite(t.score.gather(1, t.frontier)).all())
+
+
+def test_floor_keeps_unlikely_children_out_of_the_frontier_and_the_verify_pass():
+    """A child whose calibrated score is below the floor is never expanded (but each row's best is: the main line
+    goes on) and never verified (but the best deepest node's path is, whatever its score)."""
+    logp = torch.full((1, 1, 10), -50.0)
+    logp[0, 0, [2, 3, 4]] = torch.log(torch.tensor([0.6, 0.3, 0.001]))
+    t = Tree.empty(1, "cpu")
+    t.add_children(logp, branch=4, width=8, cutoff=10.0, floor=math.log(0.01))
+    assert t.frontier.tolist() == [[0, 1]]                                  # token 4 (p = 0.001) stays a leaf
+    low = torch.full((1, 2, 10), -50.0)
+    low[0, :, 5] = math.log(0.004)                                          # every child below the floor
+    t.add_children(low, branch=4, width=8, cutoff=10.0, floor=math.log(0.01))
+    assert t.frontier.shape[1] == 1 and int(t.tokens[0, t.frontier[0, 0]]) == 5   # the best child goes on alone
+    deepest = int(t.frontier[0, 0])
+    nodes = best_subtree(t, 100, floor=math.log(0.01))[0].tolist()
+    assert set(path_of(t, 0, deepest)) <= set(nodes)                       # the best path, below the floor
+    assert 2 not in nodes                                                  # token 4's leaf: below, off the path
+    assert len(nodes) == len(best_subtree(t, 100, floor=math.log(0.01))[0])
+    assert best_subtree(t, 100)[0].shape[0] > len(nodes)                   # no floor: every node is verified

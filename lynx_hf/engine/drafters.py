@@ -10,6 +10,7 @@ row keeps the drafts that all live rows accepted (lock-step).
     verify pass runs the `verify_nodes` best nodes and keeps only the accepted path's KV (gathered in place)."""
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 
 import torch
@@ -127,6 +128,7 @@ class TreeDrafter(Drafter):
         self.main: list = []                           # per depth: the node [B] streamed provisionally, or None
         self.root_pos = state.position([self.n0 - 1] * state.B)               # [B]: the last verified token's
         self.stop = state.eos_ids  # never expanded
+        self.floor = math.log(spec.verify_min_prob)  # nodes less likely than this are neither expanded nor verified
 
     def can_step(self) -> bool:
         return self.tree.size == 0 or self.tree.frontier.shape[1] > 0
@@ -159,7 +161,7 @@ class TreeDrafter(Drafter):
                                   for j in range(nodes.shape[1])], 1)
         first = tree.size
         tree.add_children(torch.log_softmax(scores / spec.tree_temperature, -1), spec.tree_branch, spec.tree_width,
-                          self.stop, spec.tree_cutoff)
+                          self.stop, spec.tree_cutoff, self.floor)
         self._extend_main(nodes, first)
 
     def _extend_main(self, nodes, first: int) -> None:
@@ -182,7 +184,7 @@ class TreeDrafter(Drafter):
 
     def verify(self):
         s, spec, P = self.s, self.spec, self.s.P
-        nodes = best_subtree(self.tree, spec.verify_nodes, spec.tree_cutoff)      # [B, n], tree numbering
+        nodes = best_subtree(self.tree, spec.verify_nodes, spec.tree_cutoff, self.floor)  # [B, n], tree numbering
         tok, par, dep = restrict(self.tree, nodes)                                  # subtree numbering 0..n-1
         sub = Tree(tok, par, dep, self.tree.score.gather(1, nodes))
         B, n, dev = s.B, nodes.shape[1], tok.device
