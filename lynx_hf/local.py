@@ -146,13 +146,12 @@ class InProcessLoader(Loader):
     def _link(self):
         """Anchor of every layer, then residual of every layer, over one link of `bw` bits/s (strict priority)."""
         link = LinkEmulator(self.bw, self.latency)
-        queued = link.clock()  # every byte is handed to the link at once
         try:
             for stream in ("anchor", "residual"):
                 for i, (sk, sv) in enumerate(self.splits):
                     for kind, s in (("key", sk), ("value", sv)):
                         n = s.nbytes("anchor") if stream == "anchor" else s.nbytes("full") - s.nbytes("anchor")
-                        if link.pace(n, self._stop, ready_at=queued):
+                        if link.pace(n, self._stop):
                             return
                         if stream == "anchor":
                             self.cache.put_anchor(i, kind, self.starts[i], anchor_only(s))

@@ -35,25 +35,6 @@ def test_link_paces_bytes_at_its_bandwidth_after_its_latency():
     assert c.slept[-1] == pytest.approx(1.0)
 
 
-def test_link_queues_bytes_a_late_sender_hands_over():
-    """Bytes queued while the pacing thread was descheduled start when the link was free, as on a NIC; bytes handed
-    over after an idle spell start then (no banked capacity)."""
-    c = FakeClock()
-    link = LinkEmulator(8e6, clock=c, sleep=c.sleep)  # 1 MB/s
-    link.pace(500_000, ready_at=100.0)
-    assert c.t == pytest.approx(100.5)
-    c.t += 0.3  # the sender thread wakes 0.3 s late; the next frame had been queued at 100.0
-    link.pace(250_000, ready_at=100.0)
-    assert c.slept[-1] == 0.0 and c.t == pytest.approx(100.8)  # the link finished it at 100.75: no wait
-    link.pace(250_000, ready_at=100.0)
-    assert c.t == pytest.approx(101.0)  # back on the link's own schedule, 0.3 s not lost
-    c.t += 5.0
-    link.pace(1_000_000, ready_at=c.t)
-    assert c.slept[-1] == pytest.approx(1.0)
-    link.pace(1_000_000, ready_at=c.t + 60)  # a hand-over time in the future is taken as now
-    assert c.slept[-1] == pytest.approx(1.0)
-
-
 def test_unbounded_link_only_adds_latency_and_a_stop_interrupts():
     c = FakeClock()
     link = LinkEmulator(None, latency_s=0.1, clock=c, sleep=c.sleep)

@@ -53,7 +53,7 @@ class Transport:
             elif self._closed.is_set():
                 fut.set_exception(ConnectionError("transport closed"))
             else:
-                self._q.put((priority, next(self._n), frame, fut, tag, self.link.clock()))
+                self._q.put((priority, next(self._n), frame, fut, tag))
         return fut
 
     def drop(self, tag) -> int:
@@ -81,13 +81,13 @@ class Transport:
 
     def _send_loop(self) -> None:
         while True:
-            prio, _, frame, fut, _, ready = self._q.get()
+            prio, _, frame, fut, _ = self._q.get()
             if frame is None:
                 return
             if not fut.set_running_or_notify_cancel():  # dropped while queued
                 continue
             try:
-                self.link.pace(len(frame), ready_at=ready)
+                self.link.pace(len(frame))
                 self._write(frame, prio)
                 fut.set_result(None)
             except BaseException as e:  # noqa: BLE001 — handed to whoever waits on the frame
@@ -100,7 +100,7 @@ class Transport:
     def _fail_pending(self, e: BaseException) -> None:
         while True:
             try:
-                _, _, frame, fut, *_ = self._q.get_nowait()
+                _, _, frame, fut, _ = self._q.get_nowait()
             except queue.Empty:
                 return
             if fut is not None and not fut.done():
@@ -109,7 +109,7 @@ class Transport:
     def close(self) -> None:
         if not self._closed.is_set():
             self._closed.set()
-            self._q.put((99, next(self._n), None, None, None, 0.0))
+            self._q.put((99, next(self._n), None, None, None))
 
     def _write(self, frame: bytes, priority: int) -> None:
         raise NotImplementedError
