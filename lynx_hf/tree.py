@@ -51,8 +51,8 @@ class Tree:
         of its most probable one, at most `branch` (one where the draft is sure, several at near-ties) — and makes
         the best of them by cumulative score the next frontier: at most `width`, never a child whose token is in
         `stop` [S] (e.g. EOS), none scoring more than `cutoff` below the best new child, and none scoring below
-        `floor` (a node the verify pass would not run) but each row's best (the main line goes on). Every node of a step gets
-        the same number of child slots (the most any node needs); the slots a node does not need score −inf and are
+        `floor` (a node the verify pass would not run) but each row's best (the main line goes on). Every node of
+        a step gets the same number of child slots (the most any node needs); the slots a node does not need score −inf and are
         never expanded or verified. The frontier has as many columns as the row that keeps most; it is empty when no
         row has a child worth expanding (e.g. EOS is all but certain)."""
         B, m, V = logp.shape
@@ -105,8 +105,8 @@ def best_subtree(tree: Tree, n: int, cutoff: float = float("inf"), floor: float 
     so that every node's parent comes before it: at most n, none scoring below `floor` (a calibrated score: the
     log-probability that the full tier takes the node's path) nor more than `cutoff` below the row's best deepest
     node — whose whole path is in whatever its score, budget permitting — as many per row as the row that keeps
-    most. Always a subtree (ancestor-closed). The pass is as large as the tree's likely paths: a few dozen nodes
-    where the draft is sure, up to n at near-ties."""
+    most. Always a subtree (ancestor-closed). The pass is as large as the tree's likely paths: fewer nodes where
+    the draft is sure, up to n at near-ties."""
     if tree.size == 0:  # no draft step ran (the residual landed first): verify the root alone
         return tree.tokens.new_zeros(tree.tokens.shape[0], 0)
     deepest = tree.depth == tree.depth.max(1, keepdim=True).values
