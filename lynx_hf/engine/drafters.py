@@ -7,7 +7,8 @@ row keeps the drafts that all live rows accepted (lock-step).
 
   * `ChainDrafter`: one token per row and step; exact greedy match or the speculative-sampling rule.
   * `TreeDrafter` (greedy): the frontier of a token tree per step, with per-node positions and tree masks; the
-    verify pass runs the tree's likely nodes (`verify_min_prob`, at most `verify_nodes`) and keeps only the accepted path's KV (gathered in place)."""
+    verify pass runs the tree's likely nodes (`verify_min_prob`, at most `verify_nodes`) and keeps only the
+    accepted path's KV (gathered in place)."""
 from __future__ import annotations
 
 import math
