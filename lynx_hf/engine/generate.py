@@ -137,8 +137,8 @@ def _draft_and_verify(s: DecodeState, spec, tree: bool) -> None:
     drafter = TreeDrafter(s) if tree else ChainDrafter(s)
     budget = spec.max_draft_steps if s.max_length is None else min(spec.max_draft_steps, s.max_length - drafter.n0)
     policy = DraftPolicy(cache)
-    while drafter.steps < budget and drafter.can_step() and policy.another_step(drafter.next_nodes()):
-        t, nodes = time.perf_counter(), drafter.next_nodes()
+    while drafter.steps < budget and drafter.can_step() and policy.another_step(nodes := drafter.next_nodes()):
+        t = time.perf_counter()
         drafter.step()
         drafter.steps += 1
         trace.mark("draft")

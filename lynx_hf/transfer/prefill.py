@@ -29,12 +29,12 @@ from .wire import MAX_JSON, SEGMENT_TOKENS, FrameType, PeerClosed, Stream, WireE
 
 log = logging.getLogger("lynx_hf.prefill")
 MAX_PROMPT = 131072
-SEGMENT = SEGMENT_TOKENS  # tokens per SEGMENT frame: small frames keep strict priority responsive
 
 
 def send_layer(ch: Channel, rid: int, cfg: LynxQuantConfig, layer: int, k: torch.Tensor, v: torch.Tensor,
-               start: int, segment: int = SEGMENT) -> list:
-    """Queue one layer's KV (k, v: [B, H_kv, S, D] for prompt positions [start, start + S)) as SEGMENT frames."""
+               start: int, segment: int = SEGMENT_TOKENS) -> list:
+    """Queue one layer's KV (k, v: [B, H_kv, S, D] for prompt positions [start, start + S)) as SEGMENT frames of
+    `segment` tokens (small frames keep strict priority responsive)."""
     futs = []
     S = k.shape[2]
     for kind, x in (("key", k), ("value", v)):
