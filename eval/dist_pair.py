@@ -32,7 +32,7 @@ def _rank(rank: int, port: int, backend: str, device: str, tokens: int, new_toke
     from lynx_hf.arch import fingerprint
     from lynx_hf.transfer.decode import DecodeClient
     from lynx_hf.transfer.prefill import serve_channel
-    from lynx_hf.transfer.session import Channel, resolve_secret
+    from lynx_hf.transfer.session import Channel, resolve_secret, server_handshake
     from lynx_hf.transfer.transport import DistTransport
 
     try:
@@ -41,7 +41,9 @@ def _rank(rank: int, port: int, backend: str, device: str, tokens: int, new_toke
         model, tok = lynx_hf.load_default_model(device=dev)
         t = DistTransport(peer=1 - rank, device=dev if backend == "nccl" else "cpu")
         if rank == 0:
-            serve_channel(model, Channel(t), resolve_secret(secret), fingerprint(model))
+            ch = Channel(t)
+            server_handshake(ch, resolve_secret(secret), fingerprint(model))
+            serve_channel(model, ch)
             return
         text = open(torch.__file__.replace("__init__.py", "functional.py")).read()
         ids = tok(text, add_special_tokens=False).input_ids[:tokens]

@@ -22,22 +22,26 @@ from .quant import SplitKV, encode
 
 
 class PromptCapture(DynamicCache):
-    """A DynamicCache for the prefill forward that hands each layer's needed prompt KV to `on_layer(i, k, v)` as
-    soon as the layer has produced it (k, v: [B, H_kv, held_i, D], the last held_i positions of the prompt)."""
+    """A DynamicCache for the prefill forward (in one pass or in chunks) that hands each layer's needed prompt KV to
+    `on_layer(i, k, v, start)` as soon as the layer has produced it (k, v: [B, H_kv, n, D] for prompt positions
+    [start, start + n) among the layer's held ones, the last held_i positions of the prompt)."""
 
     def __init__(self, config, on_layer, prompt_len: int):
         super().__init__(config=config)
         self.on_layer, self.prompt_len = on_layer, prompt_len
         self.held = [held_positions(prompt_len, w) for w in layer_windows(config)]
+        self.seen = [0] * len(self.held)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if not 0 <= layer_idx < len(self.held):
             raise ValueError(f"LynxCache cannot hold this model's KV: it writes KV for cache layer {layer_idx} but has "
                              f"{len(self.held)} attention layers (KV per recurrent loop or shared across layers)")
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        if key_states.shape[-2] == self.prompt_len:  # the prompt's own forward pass
-            n = self.held[layer_idx]
-            self.on_layer(layer_idx, key_states[:, :, -n:], value_states[:, :, -n:])
+        s0, n = self.seen[layer_idx], key_states.shape[-2]  # this pass: prompt positions [s0, s0 + n)
+        self.seen[layer_idx] = s0 + n
+        lo = max(s0, self.prompt_len - self.held[layer_idx])
+        if lo < s0 + n <= self.prompt_len:
+            self.on_layer(layer_idx, key_states[:, :, lo - s0:], value_states[:, :, lo - s0:], lo)
         return out
 
 
@@ -60,7 +64,7 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
     Cache (recurrent state, legacy tuples): there is nothing to transfer."""
     windows = layer_windows(model.config)
     kv = {}
-    cap = PromptCapture(model.config, lambda i, k, v: kv.__setitem__(i, (k, v)), input_ids.shape[1])
+    cap = PromptCapture(model.config, lambda i, k, v, start: kv.__setitem__(i, (k, v)), input_ids.shape[1])
     kw = {} if attention_mask is None else {"attention_mask": attention_mask}
     if "position_ids" in inspect.signature(model.forward).parameters:
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask

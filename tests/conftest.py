@@ -54,3 +54,49 @@ def eval_prompts(model_and_tok, shakespeare_ids, questions):
     from lynx_hf.eval.data import eval_prompts
 
     return eval_prompts(model_and_tok[1], shakespeare_ids, questions)
+
+
+def wait_until(condition, timeout: float = 20.0) -> bool:
+    """Poll `condition` until it holds (a state to reach, not a time to pass); False at the timeout."""
+    import time
+
+    t0 = time.monotonic()
+    while not condition():
+        if time.monotonic() - t0 > timeout:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def make_tiny(**config):
+    """A 2-layer Llama with seeded weights (scaled so its outputs are decisive): the same model in every process."""
+    import transformers
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    m = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**shape, **config})).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(3.0)
+    return m
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return make_tiny()
+
+
+@pytest.fixture(scope="session")
+def certificate(tmp_path_factory):
+    """A self-signed certificate for 127.0.0.1 / localhost, made with the openssl command."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is needed to make a test certificate")
+    d = tmp_path_factory.mktemp("tls")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(d / "key.pem"),
+                    "-out", str(d / "cert.pem")], check=True, capture_output=True, timeout=60)
+    return str(d / "cert.pem"), str(d / "key.pem")

@@ -14,8 +14,11 @@ import pytest
 import torch
 import transformers as tf
 
+from conftest import wait_until
+
 from lynx_hf import LynxQuantConfig as Q
 from lynx_hf.transfer import prefill as P
+from lynx_hf.transfer import server as S
 from lynx_hf.transfer.decode import DecodeClient
 from lynx_hf.arch import fingerprint
 from lynx_hf.transfer.session import Channel, client_handshake, resolve_secret, server_handshake
@@ -23,17 +26,6 @@ from lynx_hf.transfer.transport import TcpTransport, Transport
 from lynx_hf.transfer.wire import HEADER, FrameType, PeerClosed, Stream, WireError, encode_frame, parse_frame
 
 SECRET = "test-secret"
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    torch.manual_seed(0)
-    m = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                           num_attention_heads=4, num_key_value_heads=2)).eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.mul_(3.0)
-    return m
 
 
 def ids(n, seed):
@@ -61,7 +53,7 @@ def read_frames(sock, timeout):
 def test_no_server_without_a_secret(tiny, monkeypatch):
     monkeypatch.delenv("LYNX_SECRET", raising=False)
     with pytest.raises(ValueError, match="no shared secret"):
-        P.PrefillServer(tiny)
+        S.PrefillServer(tiny)
     assert resolve_secret(None, insecure=True) != resolve_secret("x")
     env = {k: v for k, v in os.environ.items() if k != "LYNX_SECRET"}
     for args, says in ((["--listen", "127.0.0.1:0"], "no shared secret"),
@@ -72,7 +64,7 @@ def test_no_server_without_a_secret(tiny, monkeypatch):
 
 
 def test_hello_reveals_nothing_and_a_wrong_mac_gets_one_generic_refusal(tiny):
-    srv = P.PrefillServer(tiny, secret=SECRET).start()
+    srv = S.PrefillServer(tiny, secret=SECRET).start()
     try:
         s = socket.create_connection(srv.address, timeout=5)
         ch = Channel(TcpTransport(s))
@@ -90,7 +82,7 @@ def test_hello_reveals_nothing_and_a_wrong_mac_gets_one_generic_refusal(tiny):
 
 
 def test_handshake_has_one_deadline_and_a_size_bound(tiny):
-    srv = P.PrefillServer(tiny, secret=SECRET, handshake_timeout=1.5).start()
+    srv = S.PrefillServer(tiny, secret=SECRET, handshake_timeout=1.5).start()
     try:
         s = socket.create_connection(srv.address, timeout=5)  # trickles a byte every 0.3 s
         stop = threading.Event()
@@ -110,32 +102,30 @@ def test_handshake_has_one_deadline_and_a_size_bound(tiny):
         s = socket.create_connection(srv.address, timeout=5)  # a HELLO declaring 1 MiB is refused from its header
         s.sendall(encode_frame(FrameType.HELLO, Stream.CONTROL, 0, 0, bytes(1 << 20))[:HEADER.size])
         frames, eof_after = read_frames(s, 10)
-        assert eof_after < 1.0 and "limit" in frames[-1].json()["error"]
+        assert eof_after < 1.0 and frames[-1].json() == {"error": "refused"}  # the one generic refusal
     finally:
         srv.close()
 
 
-def wait_until(condition, timeout: float = 20.0) -> bool:
-    """Poll `condition` until it holds (a state to reach, not a time to pass); False at the timeout."""
-    t0 = time.monotonic()
-    while not condition():
-        if time.monotonic() - t0 > timeout:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def test_connection_limit_refuses_clearly(tiny):
-    srv = P.PrefillServer(tiny, secret=SECRET, max_connections=2).start()
+    """The cap counts authenticated connections; the next authenticated client hears "server busy" inside its
+    channel (MAC'd), and a freed slot serves again. Idle unauthenticated sockets take none of these slots."""
+    srv = S.PrefillServer(tiny, secret=SECRET, max_connections=2).start()
     try:
-        idle = [socket.create_connection(srv.address, timeout=5) for _ in range(2)]
-        assert wait_until(lambda: srv.connections == 2)
-        frames, _ = read_frames(socket.create_connection(srv.address, timeout=5), 5)
-        assert frames[-1].type == FrameType.ERROR and "too many connections" in frames[-1].json()["error"]
-        for s in idle:
-            s.close()
+        idle = [socket.create_connection(srv.address, timeout=5) for _ in range(3)]
+        held = [DecodeClient(tiny, *srv.address, secret=SECRET) for _ in range(2)]
+        assert wait_until(lambda: srv.connections == 2 and srv.preauth == 3)
+        third = DecodeClient(tiny, *srv.address, secret=SECRET)  # authenticates, then is told
+        with pytest.raises(WireError, match="too many connections"):
+            third.ch.recv(5)
+        third.close()
+        for c in held:
+            c.close()
         assert wait_until(lambda: srv.connections == 0)
         DecodeClient(tiny, *srv.address, secret=SECRET).close()  # a slot is free again
+        for s in idle:
+            s.close()
+        assert wait_until(lambda: srv.preauth == 0)
     finally:
         srv.close()
 
@@ -146,9 +136,9 @@ def test_a_long_transfer_does_not_stall_a_short_request(tiny, monkeypatch):
     queued = threading.Event()  # the long request's prefill is done and its KV queued behind the emulated link
     serve, await_sent, long_rq = P.serve_request, P._await_sent, threading.local()
 
-    def serve_request(model, ch, req, rid, compute=None):
+    def serve_request(model, ch, req, rid, compute=None, chunk=P.PREFILL_CHUNK):
         long_rq.on = len(req["input_ids"]) == 200
-        return serve(model, ch, req, rid, compute)
+        return serve(model, ch, req, rid, compute, chunk)
 
     def _await_sent(ch, rid, futs, **kw):
         if getattr(long_rq, "on", False):
@@ -157,7 +147,7 @@ def test_a_long_transfer_does_not_stall_a_short_request(tiny, monkeypatch):
 
     monkeypatch.setattr(P, "serve_request", serve_request)
     monkeypatch.setattr(P, "_await_sent", _await_sent)
-    srv = P.PrefillServer(tiny, secret=SECRET, bandwidth_bps=0.4e6).start()
+    srv = S.PrefillServer(tiny, secret=SECRET, bandwidth_bps=0.4e6).start()
     try:
         short, long_ = DecodeClient(tiny, *srv.address, secret=SECRET), DecodeClient(tiny, *srv.address, secret=SECRET)
         alone = min(short.generate(ids(10, 1), Q(), max_new_tokens=2)["ttft_s"] for _ in range(2))
@@ -234,7 +224,7 @@ def test_eos_first_and_a_loader_failure_after_completion(tiny, monkeypatch):
                 raise ConnectionError("test: peer vanished")
             super()._write(frame, priority)
 
-    srv = P.PrefillServer(tiny, secret=SECRET).start()
+    srv = S.PrefillServer(tiny, secret=SECRET).start()
     try:
         cli = DecodeClient(tiny, *srv.address, secret=SECRET)
         r = cli.generate(prompt, Q(), max_new_tokens=5, eos_token_id=first)
@@ -242,8 +232,8 @@ def test_eos_first_and_a_loader_failure_after_completion(tiny, monkeypatch):
         cli.close()
     finally:
         srv.close()
-    monkeypatch.setattr(P, "TcpTransport", VanishAtEnd)
-    srv = P.PrefillServer(tiny, secret=SECRET).start()
+    monkeypatch.setattr(S, "TcpTransport", VanishAtEnd)
+    srv = S.PrefillServer(tiny, secret=SECRET).start()
     try:
         cli = DecodeClient(tiny, *srv.address, secret=SECRET, timeout_s=5)
         r = cli.generate(prompt, Q(), max_new_tokens=1)  # complete (from the logits) before the stream fails
@@ -268,7 +258,7 @@ def test_eight_clients_one_stalled_one_vanishing(tiny):
     connections, threads and traced memory return to their baseline."""
     fp = fingerprint(tiny)
     prompts = [ids(20 + 15 * i, 10 + i) for i in range(6)]
-    srv = P.PrefillServer(tiny, secret=SECRET, bandwidth_bps=4e6).start()
+    srv = S.PrefillServer(tiny, secret=SECRET, bandwidth_bps=4e6).start()
     try:
         solo = []
         for p in prompts:
@@ -339,25 +329,11 @@ def test_fingerprint_does_not_depend_on_the_thread_count():
         torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def certificate(tmp_path_factory):
-    """A self-signed certificate for 127.0.0.1 / localhost, made with the openssl command."""
-    import shutil
-
-    if shutil.which("openssl") is None:
-        pytest.skip("the openssl command is needed to make a test certificate")
-    d = tmp_path_factory.mktemp("tls")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(d / "key.pem"),
-                    "-out", str(d / "cert.pem")], check=True, capture_output=True, timeout=60)
-    return str(d / "cert.pem"), str(d / "key.pem")
-
-
 def test_tls_end_to_end_and_plain_clients_are_refused(tiny, certificate):
     cert, key = certificate
     prompt = ids(120, 7)
-    plain_srv = P.PrefillServer(tiny, secret=SECRET).start()
-    srv = P.PrefillServer(tiny, secret=SECRET, tls_cert=cert, tls_key=key, handshake_timeout=2).start()
+    plain_srv = S.PrefillServer(tiny, secret=SECRET).start()
+    srv = S.PrefillServer(tiny, secret=SECRET, tls_cert=cert, tls_key=key, handshake_timeout=2).start()
     try:
         ref = DecodeClient(tiny, *plain_srv.address, secret=SECRET)
         want = [ref.generate(prompt, Q(), max_new_tokens=6)["tokens"] for _ in range(2)]

@@ -10,6 +10,7 @@ import torch
 import lynx_hf
 from lynx_hf import LoaderError, LynxCache, LynxQuantConfig as Q
 from lynx_hf.transfer import prefill as P
+from lynx_hf.transfer import server as S
 from lynx_hf.transfer.decode import DecodeClient, NetworkLoader
 from lynx_hf.transfer.session import Channel
 from lynx_hf.transfer.transport import InProcTransport, TcpTransport
@@ -20,7 +21,7 @@ from lynx_hf.transfer.wire import FrameType, Stream, WireError, encode_frame
 @pytest.fixture(scope="module")
 def server(model_and_tok):
     model, _ = model_and_tok
-    srv = P.PrefillServer(model, secret="s3cret", bandwidth_bps=200e6).start()
+    srv = S.PrefillServer(model, secret="s3cret", bandwidth_bps=200e6).start()
     yield srv
     srv.close()
 
@@ -70,7 +71,7 @@ def test_sliding_window_model_over_tcp():
                                                num_attention_heads=4, num_key_value_heads=2, sliding_window=8)).eval()
     ids = torch.randint(3, 96, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     plain = m.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, 40:].tolist()
-    srv = P.PrefillServer(m, secret="w").start()
+    srv = S.PrefillServer(m, secret="w").start()
     try:
         cli = DecodeClient(m, *srv.address, secret="w")
         got = cli.generate(ids, Q(method="identity"), max_new_tokens=8)
@@ -145,8 +146,8 @@ class _Vanishing(TcpTransport):
 def test_peer_vanishing_mid_stream_is_a_clear_error(model_and_tok, prompt, monkeypatch, stream, n):
     model, _ = model_and_tok
     cls = type("V", (_Vanishing,), {"stream": stream, "n": n})
-    monkeypatch.setattr(P, "TcpTransport", cls)
-    srv = P.PrefillServer(model, secret="x", bandwidth_bps=20e6).start()
+    monkeypatch.setattr(S, "TcpTransport", cls)
+    srv = S.PrefillServer(model, secret="x", bandwidth_bps=20e6).start()
     try:
         cli = DecodeClient(model, *srv.address, secret="x", timeout_s=10)
         streamer = lynx_hf.SpeculativeStreamer()
@@ -277,7 +278,7 @@ def test_an_early_stop_cancels_the_rest_of_the_stream(model_and_tok, prompt):
     """max_new_tokens=1 needs only the prefill's logits: the decode side cancels, the prefill side drops the
     residual frames still queued behind its slow link, and the connection serves the next request exactly."""
     model, _ = model_and_tok
-    srv = P.PrefillServer(model, secret="s3cret", bandwidth_bps=20e6).start()
+    srv = S.PrefillServer(model, secret="s3cret", bandwidth_bps=20e6).start()
     try:
         cli = DecodeClient(model, *srv.address, secret="s3cret")
         short = cli.generate(prompt, Q(), max_new_tokens=1)

@@ -2,12 +2,15 @@
 around PrefillServer / DecodeClient)."""
 from __future__ import annotations
 
-import ipaddress
+import argparse
 import json
 import logging
+import math
 import sys
 
-SECRET_HELP = "shared secret (or $LYNX_SECRET); required unless --insecure"
+SECRET_HELP = ("shared secret; visible to every local user in the process list: prefer --secret-file or "
+               "$LYNX_SECRET")
+SECRET_FILE_HELP = "read the shared secret from this file's first line (or set $LYNX_SECRET); one of them is required"
 MODEL_HELP = "Hub id or local path (default: embedded SmolLM2-135M-Instruct)"
 
 
@@ -18,40 +21,52 @@ def _hostport(s: str):
     return host.strip("[]"), int(port)
 
 
-def _loopback(host: str) -> bool:
+def _secret_or_exit(a, host: str) -> str | None:
+    """The secret from --secret-file, --secret or $LYNX_SECRET; --insecure only alone and on loopback; said on
+    stderr in one line."""
+    from ..errors import ConfigError
+    from .session import read_secret_file, resolve_secret
+
     try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
-def _secret_or_exit(a, host: str):
-    """The --secret / $LYNX_SECRET check, and --insecure only on loopback, said on stderr."""
-    from .session import resolve_secret
-
+        if a.secret and a.secret_file:
+            raise ConfigError("--secret and --secret-file together: pass one")
+        secret = read_secret_file(a.secret_file) if a.secret_file else a.secret
+        resolve_secret(secret, a.insecure, host)
+    except ConfigError as e:
+        raise SystemExit(f"lynx-hf {a.cmd}: error: {e}")
     if a.insecure:
-        if not _loopback(host):
-            raise SystemExit(f"lynx-hf {a.cmd}: --insecure is allowed on loopback only, not {host}")
         print(f"lynx-hf {a.cmd}: WARNING: --insecure: a publicly known key, no authentication (loopback only)",
               file=sys.stderr)
-    try:
-        resolve_secret(a.secret, a.insecure)
-    except ValueError as e:
-        raise SystemExit(f"lynx-hf {a.cmd}: error: {e}")
+    elif a.secret:
+        print(f"lynx-hf {a.cmd}: note: --secret is visible to every local user in the process list; prefer "
+              f"--secret-file or $LYNX_SECRET", file=sys.stderr)
+    return secret
 
 
 def _serve_prefill(a):
     import lynx_hf
+    from ..errors import ConfigError
 
-    from .prefill import PrefillServer
+    from .server import PrefillServer
 
     host, port = _hostport(a.listen)
-    _secret_or_exit(a, host)
+    secret = _secret_or_exit(a, host)
+    if a.tls_key and not a.tls_cert:
+        raise SystemExit("lynx-hf serve-prefill: error: --tls-key without --tls-cert (pass both, or neither for "
+                         "plain TCP)")
+    bw = a.bandwidth_mbps
+    if bw is not None and not (math.isfinite(bw) and bw > 0):
+        raise SystemExit(f"lynx-hf serve-prefill: error: --bandwidth-mbps must be a finite number > 0, got {bw}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     model, _ = lynx_hf.load_default_model(a.model)
-    srv = PrefillServer(model, host, port, secret=a.secret, insecure=a.insecure, max_connections=a.max_connections,
-                        tls_cert=a.tls_cert, tls_key=a.tls_key,
-                        bandwidth_bps=a.bandwidth_mbps * 1e6 if a.bandwidth_mbps else None, latency_s=a.latency_ms / 1e3)
+    try:
+        srv = PrefillServer(model, host, port, secret=secret, insecure=a.insecure, max_connections=a.max_connections,
+                            tls_cert=a.tls_cert, tls_key=a.tls_key, bandwidth_bps=None if bw is None else bw * 1e6,
+                            latency_s=a.latency_ms / 1e3, handshake_timeout=a.handshake_timeout,
+                            max_preauth=a.max_preauth, max_preauth_per_host=a.max_preauth_per_host,
+                            idle_timeout_s=a.idle_timeout, send_timeout_s=a.send_timeout, prefill_chunk=a.prefill_chunk)
+    except ConfigError as e:
+        raise SystemExit(f"lynx-hf serve-prefill: error: {e}")
     logging.getLogger("lynx_hf.prefill").info("serving on %s:%s", *srv.address)
     try:
         srv.serve_forever()
@@ -59,54 +74,117 @@ def _serve_prefill(a):
         srv.close()
 
 
+def _prompts(a):
+    """(label, text or an error) for every prompt: --prompt, --prompt-file, or each line of stdin (bytes decoded
+    here, so a line that is not UTF-8 is one error, not the end of the process)."""
+    if a.prompt:
+        yield "--prompt", a.prompt
+        return
+    if a.prompt_file:
+        try:
+            with open(a.prompt_file, "rb") as f:
+                raw = f.read()
+            yield a.prompt_file, raw.decode("utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            yield a.prompt_file, ValueError(f"cannot read {a.prompt_file}: {e}")
+        return
+    for n, raw in enumerate(sys.stdin.buffer, 1):
+        try:
+            text = raw.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError as e:
+            yield f"line {n}", ValueError(f"line {n} is not UTF-8 ({e.reason} at byte {e.start})")
+            continue
+        if text:
+            yield f"line {n}", text
+
+
 def _serve_decode(a):
     import lynx_hf
     from lynx_hf import LynxQuantConfig
 
+    from ..errors import LynxError
     from .decode import DecodeClient
 
     host, port = _hostport(a.prefill)
-    _secret_or_exit(a, host)
+    secret = _secret_or_exit(a, host)
     model, tok = lynx_hf.load_default_model(a.model)
-    cli = DecodeClient(model, host, port, secret=a.secret, insecure=a.insecure, tls=a.tls, tls_ca=a.tls_ca)
+    connect = lambda: DecodeClient(model, host, port, secret=secret, insecure=a.insecure, tls=a.tls, tls_ca=a.tls_ca,
+                                   timeout_s=a.timeout)
+    cli = None
     cfg = LynxQuantConfig.from_pretrained(a.lynx_config) if a.lynx_config else LynxQuantConfig(method=a.method)
-    prompts = [a.prompt] if a.prompt else ([open(a.prompt_file).read()] if a.prompt_file else (l.rstrip("\n") for l in sys.stdin))
-    for text in prompts:
-        if not text:
+    failed = False
+    for label, text in _prompts(a):
+        if isinstance(text, Exception):
+            print(json.dumps({"error": str(text)}), flush=True)
+            failed = True
             continue
-        r = cli.generate(tok(text).input_ids, cfg, max_new_tokens=a.max_new_tokens, speculative=not a.no_drafts)
+        try:
+            if cli is None:
+                cli = connect()
+            r = cli.generate(tok(text).input_ids, cfg, max_new_tokens=a.max_new_tokens, speculative=not a.no_drafts)
+        except (LynxError, ConnectionError, TimeoutError, OSError) as e:
+            print(json.dumps({"error": f"{label}: {e}"}), flush=True)
+            failed = True
+            if cli is not None and cli.broken:
+                cli.close()
+                cli = None  # the next prompt opens a new connection
+            continue
         print(json.dumps({"text": tok.decode(r["tokens"]), "tokens": r["tokens"], "bytes": r["bytes"],
                           **{k: r[k] for k in ("ttft_s", "ttft_verified_s", "tt32t_s")},
                           "drafted": r["stats"]["drafted"], "accepted": r["stats"]["accepted"]}), flush=True)
-    cli.close()
+    if cli is not None:
+        cli.close()
+    if failed:
+        sys.exit(1)
 
 
 def register(sub) -> None:
     from ..config import METHODS
 
-    p = sub.add_parser("serve-prefill", help="the prefill process: computes KV and streams anchor, then residual")
+    p = sub.add_parser("serve-prefill", help="the prefill process: computes KV and streams anchor, then residual",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="Serve decode peers: authenticate each (shared secret), prefill its prompts and "
+                                   "stream their KV, anchor first. Bounds: docs/wire-format.md, 'Threat model'.")
     p.add_argument("--listen", default="127.0.0.1:7480", help="HOST:PORT (binds loopback unless told otherwise)")
     p.add_argument("--bandwidth-mbps", type=float, default=None, help="emulate a link of this bandwidth")
-    p.add_argument("--latency-ms", type=float, default=0.0)
-    p.add_argument("--max-connections", type=int, default=32)
+    p.add_argument("--latency-ms", type=float, default=0.0, help="emulated one-way latency")
+    p.add_argument("--max-connections", type=int, default=32, help="authenticated connections served at once")
+    p.add_argument("--max-preauth", type=int, default=128,
+                   help="connections still in their handshake (over it, the oldest idle one is dropped)")
+    p.add_argument("--max-preauth-per-host", type=int, default=96, help="the same, per source address")
+    p.add_argument("--handshake-timeout", type=float, default=5.0, help="seconds to complete TLS + Lynx handshake")
+    p.add_argument("--idle-timeout", type=float, default=300.0,
+                   help="seconds an authenticated connection may stay without a request")
+    p.add_argument("--send-timeout", type=float, default=30.0,
+                   help="seconds a client may leave a frame unread before its connection is dropped")
+    p.add_argument("--prefill-chunk", type=int, default=1024,
+                   help="tokens per forward pass of a long prompt (a short request waits for at most one)")
     p.add_argument("--secret", help=SECRET_HELP)
+    p.add_argument("--secret-file", help=SECRET_FILE_HELP)
     p.add_argument("--insecure", action="store_true", help="no secret: a publicly known key (loopback only)")
     p.add_argument("--tls-cert", help="PEM certificate chain: speak TLS (for links that leave the rack)")
     p.add_argument("--tls-key", help="PEM private key for --tls-cert (if not inside it)")
     p.add_argument("--model", help=MODEL_HELP)
     p.set_defaults(fn=_serve_prefill)
 
-    q = sub.add_parser("serve-decode", help="the decode process: sends prompts, drafts, verifies, prints JSON lines")
+    q = sub.add_parser("serve-decode", help="the decode process: sends prompts, drafts, verifies, prints JSON lines",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="Send each prompt (--prompt, --prompt-file, or one per line of stdin) to a "
+                                   "serve-prefill and print one JSON line per prompt: the result or {\"error\": ...}.")
     q.add_argument("--prefill", required=True, help="HOST:PORT of serve-prefill")
-    q.add_argument("--prompt")
-    q.add_argument("--prompt-file")
+    q.add_argument("--prompt", help="one prompt (else --prompt-file, else one prompt per line of stdin)")
+    q.add_argument("--prompt-file", help="one prompt: this file's whole text")
     codec = q.add_mutually_exclusive_group()
-    codec.add_argument("--method", default="lynx", choices=list(METHODS))
+    codec.add_argument("--method", default="lynx", choices=list(METHODS), help="the KV codec")
     codec.add_argument("--lynx-config", help="the codec from a lynx_config.json (folder, file or Hub repo), e.g. "
                                              "written by `lynx-hf calibrate`")
-    q.add_argument("--max-new-tokens", type=int, default=32)
+    q.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt")
+    q.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds of silence from the server before a request fails (a queued request hears "
+                        "PROGRESS frames meanwhile)")
     q.add_argument("--no-drafts", action="store_true", help="wait for the full tier (reference decoding)")
     q.add_argument("--secret", help=SECRET_HELP)
+    q.add_argument("--secret-file", help=SECRET_FILE_HELP)
     q.add_argument("--insecure", action="store_true", help="no secret: a publicly known key (loopback only)")
     q.add_argument("--tls", action="store_true", help="speak TLS, trusting the system's CAs")
     q.add_argument("--tls-ca", help="speak TLS, trusting this PEM file (a private CA or the server's own certificate)")

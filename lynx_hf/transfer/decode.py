@@ -54,6 +54,8 @@ class NetworkLoader(Loader):
                     raise WireError(f"frame for request {f.request_id} inside request {self.rid}")
                 if f.type == FrameType.SEGMENT:
                     self._segment(f, B, H, D, dtype)
+                elif f.type == FrameType.PROGRESS:
+                    continue  # the request waits for the prefill's compute: the server is alive, keep waiting
                 elif f.type == FrameType.FIRST:
                     self.cache.put_logits(unpack_logits(f.payload, B, p["vocab"], dtype))
                 elif f.type == FrameType.END and f.json().get("cancelled"):
@@ -116,9 +118,9 @@ class DecodeClient:
                  transport=None):
         """tls / tls_ca: speak TLS, trusting the system's CAs or the PEM file `tls_ca` (a private CA or a
         self-signed server certificate); the server's certificate must name `host`. transport: an open Transport
-        instead of host/port (e.g. a DistTransport to the prefill rank, whose side runs `serve_channel`)."""
+        instead of host/port (e.g. a DistTransport to the prefill rank, whose side runs `server_handshake` and `serve_channel`)."""
         self.model, self.timeout = model, timeout_s
-        key = resolve_secret(secret, insecure)
+        key = resolve_secret(secret, insecure, host if transport is None else None)
         if transport is not None:
             t = transport
         elif host is None or port is None:
@@ -128,7 +130,7 @@ class DecodeClient:
             sock = socket.create_connection((host, port), timeout=timeout_s)
             t = TlsTcpTransport(sock, ctx, server_side=False, server_hostname=host, timeout=timeout_s)
         else:
-            t = TcpTransport.connect(host, port)
+            t = TcpTransport.connect(host, port, timeout_s)
         self.ch = Channel(t)
         self._rid = 0
         self._broken: BaseException | None = None
@@ -165,9 +167,14 @@ class DecodeClient:
         rid, cfg = self._rid, quant_config or LynxQuantConfig()
         warm(cfg, self.geometry, len(input_ids), DTYPES[self.geometry["dtype"]])  # the receiver then runs no torch op
         t0 = time.perf_counter()
-        self.ch.send_json(FrameType.REQUEST, {"input_ids": list(map(int, input_ids)), "quant_config": cfg.to_dict()}, rid)
-        p = self.ch.recv(self.timeout, FrameType.PROMPT).json()
-        self._check_handshake(p, len(input_ids), cfg)
+        try:
+            self.ch.send_json(FrameType.REQUEST, {"input_ids": list(map(int, input_ids)), "quant_config": cfg.to_dict()},
+                              rid)
+            p = self.ch.recv(self.timeout, FrameType.PROMPT).json()
+            self._check_handshake(p, len(input_ids), cfg)
+        except BaseException as e:
+            self._broken = e
+            raise
         spec = spec_config or SpecConfig(max_draft_steps=64 if speculative else 0)
         # waits are bounded by the loader's per-frame timeout (a silent peer fails the cache), not by the cache's
         device = next(self.model.parameters()).device
@@ -197,6 +204,11 @@ class DecodeClient:
                 "h2d_bytes": cache.staged_bytes(),
                 "cancelled": loader.cancelled, "dropped_frames": loader.dropped,
                 "loader_error": None if loader.error is None else str(loader.error)}
+
+    @property
+    def broken(self) -> bool:
+        """A request failed on this connection: it cannot carry another (open a new DecodeClient)."""
+        return self._broken is not None
 
     def close(self) -> None:
         self.ch.close()

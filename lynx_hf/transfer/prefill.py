@@ -1,34 +1,92 @@
-"""Prefill side: layer-wise sending overlapped with the forward pass, and the server process.
+"""Prefill side of one request: the prompt's forward pass in chunks, each layer's KV encoded and queued as it is
+produced, and the connection's request loop.
 
-During prefill every attention layer hands its prompt KV to a `PromptCapture` (local.py); the layer's needed
-positions (all of them, or a sliding window's last W) are encoded at once and queued as anchor segments (priority 0)
-and residual segments (priority 1), so the link carries layer i while layer i+1 computes. The last position's logits
-follow the anchors (FIRST), so the decode side picks the first token with its own generation options."""
+During prefill every attention layer hands its new prompt KV to a `PromptCapture` (local.py); the layer's needed
+positions (all of them, or a sliding window's last W) are encoded and queued as anchor segments (priority 0) and
+residual segments (priority 1), so the link carries layer i while layer i+1 computes. The last position's logits
+follow the anchors (FIRST), so the decode side picks the first token with its own generation options.
+
+One forward pass runs at a time (`ComputeQueue`), shortest remaining prompt first: a long prompt prefills
+`chunk` tokens per turn and queues again, so a short request waits for one chunk, not for a whole long prefill.
+While a request waits its client hears PROGRESS frames, and a client that has gone (or cancelled) stops its work."""
 from __future__ import annotations
 
 import contextlib
+import heapq
+import itertools
 import logging
-import socket
-import ssl
 import threading
 import time
 from concurrent import futures
 
 import torch
 
-from ..arch import fingerprint, kv_geometry
+from ..arch import kv_geometry
 from ..config import LynxQuantConfig
-from ..link import LinkEmulator
 from ..local import PromptCapture
 from ..quant import encode
-from ..quant.dispatch import prepare
 from .serde import pack_segment, pack_logits
-from .session import Channel, resolve_secret, server_handshake
-from .transport import PRIO_ANCHOR, PRIO_END, PRIO_RESIDUAL, TcpTransport, TlsTcpTransport
-from .wire import MAX_JSON, SEGMENT_TOKENS, FrameType, PeerClosed, Stream, WireError, json_frame
+from .session import Channel
+from .transport import PRIO_ANCHOR, PRIO_END, PRIO_RESIDUAL
+from .wire import MAX_JSON, SEGMENT_TOKENS, FrameType, PeerClosed, Stream, WireError
 
 log = logging.getLogger("lynx_hf.prefill")
 MAX_PROMPT = 131072
+PREFILL_CHUNK = 1024  # tokens of one forward pass of a long prompt (a short request waits for at most one)
+PROGRESS_S = 5.0      # a waiting request's client hears a PROGRESS frame at least this often
+
+
+class Cancelled(Exception):
+    """The decode side cancelled the request (CANCEL) while it was still being prefilled."""
+
+
+class ComputeQueue:
+    """One forward pass at a time; among waiters the one with the fewest prompt tokens left goes first (FIFO among
+    equals). `turn(tokens, poll)` is a context manager; while it waits, `poll()` runs every `every` seconds (it
+    may raise to give up the place)."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._busy = False
+        self._waiting: list = []  # heap of (tokens left, arrival)
+        self._n = itertools.count()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @contextlib.contextmanager
+    def turn(self, tokens: int, poll=None, every: float = PROGRESS_S):
+        entry = (tokens, next(self._n))
+        with self._cv:
+            heapq.heappush(self._waiting, entry)
+        try:
+            while True:
+                with self._cv:
+                    if not self._busy and self._waiting[0] == entry:
+                        heapq.heappop(self._waiting)
+                        self._busy = True
+                        break
+                    self._cv.wait(every)
+                    if not self._busy and self._waiting[0] == entry:
+                        heapq.heappop(self._waiting)
+                        self._busy = True
+                        break
+                if poll is not None:
+                    poll()
+        except BaseException:
+            with self._cv:
+                if entry in self._waiting:
+                    self._waiting.remove(entry)
+                    heapq.heapify(self._waiting)
+                self._cv.notify_all()
+            raise
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
 
 
 def send_layer(ch: Channel, rid: int, cfg: LynxQuantConfig, layer: int, k: torch.Tensor, v: torch.Tensor,
@@ -57,13 +115,46 @@ def kv_handshake(model, rid: int, prompt_len: int, cfg: LynxQuantConfig) -> dict
     return {"request_id": rid, **geometry, "prompt_len": prompt_len, "quant_config": cfg.to_dict()}
 
 
+class _Segmenter:
+    """Cuts each layer's held KV into SEGMENT frames on one grid (from the layer's first held position, `segment`
+    tokens each), however the forward pass was chunked: the frames are those of an unchunked prefill."""
+
+    def __init__(self, ch: Channel, rid: int, cfg: LynxQuantConfig, prompt_len: int, segment: int = SEGMENT_TOKENS):
+        self.ch, self.rid, self.cfg, self.P, self.segment = ch, rid, cfg, prompt_len, segment
+        self.pending: dict[int, tuple[int, list, list]] = {}  # layer -> (start, [k parts], [v parts])
+        self.futs: list = []
+
+    def __call__(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        s0, ks, vs = self.pending.get(layer, (start, [], []))
+        ks.append(k)
+        vs.append(v)
+        n = start + k.shape[2] - s0
+        full = n if start + k.shape[2] == self.P else n - n % self.segment
+        if full:
+            K, V = torch.cat(ks, 2), torch.cat(vs, 2)  # k, v: [B, H_kv, n, D]
+            self.futs += send_layer(self.ch, self.rid, self.cfg, layer, K[:, :, :full], V[:, :, :full], s0, self.segment)
+            ks, vs = ([K[:, :, full:]], [V[:, :, full:]]) if full < n else ([], [])
+        self.pending[layer] = (s0 + full, ks, vs)
+
+
+def max_prompt_tokens(model) -> int:
+    """The longest prompt this server prefills: the model's context (max_position_embeddings) and MAX_PROMPT."""
+    n = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    return min(MAX_PROMPT, n) if isinstance(n, int) and n > 0 else MAX_PROMPT
+
+
 @torch.no_grad()
-def serve_request(model, ch: Channel, req: dict, rid: int, compute: threading.Lock | None = None) -> dict:
-    """Validate a REQUEST, announce the KV (PROMPT), prefill while streaming, then FIRST (logits) and END. `compute`
-    is held for the forward pass only: the paced transfer that follows runs on this connection's own sender."""
+def serve_request(model, ch: Channel, req: dict, rid: int, compute: ComputeQueue | None = None,
+                  chunk: int = PREFILL_CHUNK) -> dict:
+    """Validate a REQUEST, announce the KV (PROMPT), prefill in chunks of `chunk` tokens while streaming, then
+    FIRST (logits) and END. `compute` orders the forward passes of all connections (its turn is held for one chunk);
+    the paced transfer runs on this connection's own sender."""
     ids = req.get("input_ids")
-    if not (isinstance(ids, list) and 0 < len(ids) <= MAX_PROMPT and all(isinstance(i, int) for i in ids)):
-        raise WireError(f"input_ids must be a list of 1..{MAX_PROMPT} ints")
+    limit = max_prompt_tokens(model)
+    if not (isinstance(ids, list) and len(ids) > 0 and all(type(i) is int for i in ids)):
+        raise WireError("input_ids must be a non-empty list of ints")
+    if len(ids) > limit:
+        raise WireError(f"a prompt of {len(ids)} tokens exceeds this model's context of {limit} tokens")
     vocab = model.config.get_text_config().vocab_size
     if min(ids) < 0 or max(ids) >= vocab:
         raise WireError(f"token id out of range [0, {vocab})")
@@ -72,37 +163,64 @@ def serve_request(model, ch: Channel, req: dict, rid: int, compute: threading.Lo
     except (ValueError, TypeError) as e:
         raise WireError(f"bad quant_config: {e}") from None
     P = len(ids)
+    compute = compute or ComputeQueue()
     ch.send_json(FrameType.PROMPT, kv_handshake(model, rid, P, cfg), rid)
     t0 = time.perf_counter()
-    futs = []
-    cap = PromptCapture(model.config, lambda i, k, v: futs.extend(send_layer(ch, rid, cfg, i, k, v, P - k.shape[2])), P)
-    with compute or contextlib.nullcontext():
-        out = model(input_ids=torch.tensor([ids], device=next(model.parameters()).device), cache=cap, use_cache=True,
-                    logits_to_keep=1)
-    prefill_s = time.perf_counter() - t0
-    futs.append(ch.send_binary(FrameType.FIRST, Stream.CONTROL, rid, pack_logits(out.logits[:, -1]), PRIO_ANCHOR))
-    dropped = _await_sent(ch, rid, futs)
+    seg = _Segmenter(ch, rid, cfg, P)
+    cap = PromptCapture(model.config, seg, P)
+    device = next(model.parameters()).device
+    last = [time.monotonic()]
+
+    def poll():  # while this request waits for the compute: is its client still there, and tell it we are
+        _check_peer(ch, rid)
+        if time.monotonic() - last[0] >= PROGRESS_S:
+            last[0] = time.monotonic()
+            ch.send_json(FrameType.PROGRESS, {"prefilled": lo, "of": P, "queued": compute.waiting}, rid, wait=False)
+
+    compute_s, dropped = 0.0, None
+    try:
+        for lo in range(0, P, chunk):
+            with compute.turn(P - lo, poll, PROGRESS_S):
+                t = time.perf_counter()
+                out = model(input_ids=torch.tensor([ids[lo:lo + chunk]], device=device), cache=cap, use_cache=True,
+                            logits_to_keep=1)
+                compute_s += time.perf_counter() - t
+            _check_peer(ch, rid)
+        prefill_s = time.perf_counter() - t0
+        seg.futs.append(ch.send_binary(FrameType.FIRST, Stream.CONTROL, rid, pack_logits(out.logits[:, -1]),
+                                       PRIO_ANCHOR))
+        dropped = _await_sent(ch, rid, seg.futs)
+    except Cancelled:
+        prefill_s, dropped = time.perf_counter() - t0, ch.t.drop(rid)
     end = ch.send_json(FrameType.END, {"anchor_frames": ch.out_seq[Stream.ANCHOR],
                                        "residual_frames": ch.out_seq[Stream.RESIDUAL], "prefill_s": prefill_s,
                                        "cancelled": dropped is not None, "dropped": dropped or 0},
                        rid, PRIO_END, wait=False)
-    end.result(600)
-    return {"prompt_len": P, "prefill_s": prefill_s, "sent_s": time.perf_counter() - t0, "dropped_frames": dropped}
+    end.result(ch.t.send_timeout_s + 5)
+    return {"prompt_len": P, "prefill_s": prefill_s, "compute_s": compute_s, "sent_s": time.perf_counter() - t0,
+            "dropped_frames": dropped}
 
 
-def _await_sent(ch: Channel, rid: int, futs: list, poll_s: float = 0.05, deadline_s: float = 600.0) -> int | None:
+def _check_peer(ch: Channel, rid: int) -> None:
+    """Read what the client sent meanwhile, if anything: CANCEL for this request raises Cancelled; a client that
+    closed raises PeerClosed (its work stops); anything else is a protocol error."""
+    if ch.t.readable(0):
+        f = ch.recv(timeout=30, limit=MAX_JSON)
+        if f.type != FrameType.CANCEL or f.request_id != rid:
+            raise WireError(f"unexpected {f.type.name} frame for request {f.request_id} while serving request {rid}")
+        raise Cancelled()
+
+
+def _await_sent(ch: Channel, rid: int, futs: list, poll_s: float = 0.05) -> int | None:
     """Wait until the request's frames are on the wire, checking the connection every `poll_s`: a CANCEL from the
     decode side (it stopped early) drops what is still queued. Returns the number of frames dropped, None if none
-    was. (A transport that cannot tell whether a frame waits, DistTransport, never sees a CANCEL here.)"""
-    deadline = time.monotonic() + deadline_s
+    was. A client that stops reading fails the send after the transport's send timeout, and with it every queued
+    frame. (A transport that cannot tell whether a frame waits, DistTransport, never sees a CANCEL here.)"""
     pending = list(futs)
     while pending:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"request {rid}: frames not sent within {deadline_s} s")
-        if ch.t.readable(0):
-            f = ch.recv(timeout=30, limit=MAX_JSON)
-            if f.type != FrameType.CANCEL or f.request_id != rid:
-                raise WireError(f"unexpected {f.type.name} frame for request {f.request_id} while sending request {rid}")
+        try:
+            _check_peer(ch, rid)
+        except Cancelled:
             return ch.t.drop(rid)
         pending = list(futures.wait(pending, timeout=poll_s).not_done)
     for f in futs:
@@ -110,15 +228,16 @@ def _await_sent(ch: Channel, rid: int, futs: list, poll_s: float = 0.05, deadlin
     return None
 
 
-def serve_channel(model, ch: Channel, secret: bytes, fp: str, hs_timeout: float = 10.0,
-                  compute: threading.Lock | None = None, peer: str = "peer") -> None:
-    """One connection's life on the prefill side, over any transport: handshake, then requests until the peer
-    closes. Wire and connection errors propagate to the caller (PrefillServer logs them and answers ERROR)."""
-    server_handshake(ch, secret, fp, hs_timeout)
+def serve_channel(model, ch: Channel, compute: ComputeQueue | None = None, peer: str = "peer",
+                  idle_timeout_s: float = 300.0, chunk: int = PREFILL_CHUNK) -> None:
+    """An authenticated connection's requests on the prefill side, over any transport, until the peer closes or
+    stays silent for `idle_timeout_s` (`peer`: how the log names it, already quoted). Wire and connection errors
+    propagate to the caller."""
     last = 0
+    compute = compute or ComputeQueue()
     while True:
         try:
-            f = ch.recv(timeout=3600, limit=MAX_JSON)
+            f = ch.recv(timeout=idle_timeout_s, limit=MAX_JSON)
         except PeerClosed:
             return
         if f.type == FrameType.CANCEL and f.request_id <= last:
@@ -126,95 +245,5 @@ def serve_channel(model, ch: Channel, secret: bytes, fp: str, hs_timeout: float 
         if f.type != FrameType.REQUEST:
             raise WireError(f"expected REQUEST, got {f.type.name}")
         last = f.request_id
-        info = serve_request(model, ch, f.json(), f.request_id, compute)
+        info = serve_request(model, ch, f.json(), f.request_id, compute, chunk)
         log.info("request %s from %s: %s", f.request_id, peer, info)
-
-
-class PrefillServer:
-    """Accepts decode peers; each connection gets its own thread, transport and sender (so a slow or stalled client
-    only ever delays itself): handshake within `handshake_timeout` in all, then requests until the peer closes.
-    One forward pass at a time (the CPU/GPU is the bottleneck); at most `max_connections` connections, the next
-    is refused with an ERROR frame."""
-
-    def __init__(self, model, host: str = "127.0.0.1", port: int = 0, secret: str | None = None,
-                 bandwidth_bps: float | None = None, latency_s: float = 0.0, handshake_timeout: float = 10.0,
-                 max_connections: int = 32, insecure: bool = False, tls_cert: str | None = None,
-                 tls_key: str | None = None):
-        self.model, self.secret, self.fp = model, resolve_secret(secret, insecure), fingerprint(model)
-        prepare(next(model.parameters()).device)  # build the codec's kernels now, not inside the first request
-        self.tls = None
-        if tls_cert:  # TLS on top of the frame MACs: confidentiality for links that leave the rack
-            self.tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            self.tls.load_cert_chain(tls_cert, tls_key)
-        self.bw, self.latency, self.hs_timeout, self.max_conn = bandwidth_bps, latency_s, handshake_timeout, max_connections
-        self.sock = socket.create_server((host, port), reuse_port=False)
-        self.address = self.sock.getsockname()[:2]
-        self._compute = threading.Lock()
-        self._stop = threading.Event()
-        self._conns = 0
-        self._conns_lock = threading.Lock()
-
-    @property
-    def connections(self) -> int:
-        return self._conns
-
-    def serve_forever(self) -> None:
-        self.sock.settimeout(0.5)
-        while not self._stop.is_set():
-            try:
-                conn, addr = self.sock.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                break
-            with self._conns_lock:
-                full = self._conns >= self.max_conn
-                self._conns += not full
-            if full:
-                self._refuse(conn, addr)
-                continue
-            threading.Thread(target=self._handle, args=(conn, addr), name="lynx-conn", daemon=True).start()
-
-    def start(self) -> "PrefillServer":
-        threading.Thread(target=self.serve_forever, name="lynx-prefill-server", daemon=True).start()
-        return self
-
-    @staticmethod
-    def _refuse(conn: socket.socket, addr) -> None:
-        log.warning("refusing %s: connection limit reached", addr)
-        try:
-            conn.settimeout(1.0)
-            conn.sendall(json_frame(FrameType.ERROR, 0, 0, {"error": "server busy: too many connections"}))
-        except OSError:
-            pass
-        conn.close()
-
-    def _handle(self, conn: socket.socket, addr) -> None:
-        link = LinkEmulator(self.bw, self.latency)
-        try:
-            t = TcpTransport(conn, link) if self.tls is None else \
-                TlsTcpTransport(conn, self.tls, server_side=True, link=link, timeout=self.hs_timeout)
-        except ConnectionError as e:
-            log.warning("client %s dropped: %s", addr, e)
-            with self._conns_lock:
-                self._conns -= 1
-            return
-        ch = Channel(t)
-        try:
-            serve_channel(self.model, ch, self.secret, self.fp, self.hs_timeout, self._compute, str(addr))
-        except (WireError, ConnectionError, TimeoutError, OSError) as e:
-            log.warning("client %s dropped: %s", addr, e)
-            try:
-                ch.send_json(FrameType.ERROR, {"error": str(e)[:500]}, wait=False).result(1)
-            except Exception:  # noqa: BLE001 — the peer may be gone already
-                pass
-        except Exception as e:  # noqa: BLE001 — never let one request take the server down
-            log.exception("request from %s failed: %s", addr, e)
-        finally:
-            ch.close()
-            with self._conns_lock:
-                self._conns -= 1
-
-    def close(self) -> None:
-        self._stop.set()
-        self.sock.close()

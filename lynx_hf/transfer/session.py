@@ -6,42 +6,89 @@ Handshake (docs/wire-format.md): prefill → HELLO{nonce Ns}; decode → HELLO{n
 each direction carries HMAC-SHA256 (truncated to 16 bytes) under a per-connection, per-direction key derived from
 the secret and both nonces; prefill → OK{mac = HMAC(secret, "server|Nc|Ns"), fingerprint}; decode checks the MAC and
 the fingerprint, → OK{fingerprint}. Every handshake frame is at most MAX_HANDSHAKE bytes, and the whole handshake
-has one deadline."""
+has one deadline. Before the handshake ends, whatever goes wrong gets one answer, the generic refusal; the peer's
+own text is quoted (`quote_peer`) wherever this side shows it."""
 from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import os
 import secrets
 import time
 
 from ..errors import ConfigError
 from .transport import PRIO_ANCHOR, Transport
-from .wire import (FLAG_MAC, MAX_HANDSHAKE, MAX_PAYLOAD, FrameType, SequenceChecker, Stream, WireError, encode_frame,
-                   header_bytes, json_payload)
+from .wire import (FLAG_MAC, MAX_HANDSHAKE, MAX_PAYLOAD, FrameType, PeerClosed, SequenceChecker, Stream, WireError,
+                   encode_frame, header_bytes, json_payload)
 
 SECRET_ENV = "LYNX_SECRET"
 INSECURE_SECRET = b"lynx-hf-insecure: no authentication"  # --insecure (loopback only): a known key, no security
 TAG = 16  # bytes of HMAC-SHA256 kept per frame
-REFUSED = "refused"  # the prefill side's one answer to a client that fails authentication
+REFUSED = "refused"  # the prefill side's one answer to a client that fails the handshake, whatever failed
+PEER_TEXT = 200  # characters of a peer's text this side logs or shows
+
+
+def quote_peer(text, limit: int = PEER_TEXT) -> str:
+    """A peer's text made safe to log or show: a quoted string literal (newlines and control characters escaped,
+    so it cannot forge log lines), at most `limit` characters of it."""
+    s = text if isinstance(text, str) else repr(text)
+    cut = len(s) > limit
+    return ascii(s[:limit]) + ("…" if cut else "")
 
 
 class PeerError(WireError):
-    """The peer sent an ERROR frame; `reason` is what it said."""
+    """The peer sent an ERROR frame; `reason` is what it said (raw; the message quotes it)."""
 
-    def __init__(self, reason: str):
-        super().__init__(f"peer reported an error: {reason}")
+    def __init__(self, reason):
+        super().__init__(f"peer reported an error: {quote_peer(reason)}")
         self.reason = reason
 
 
-def resolve_secret(secret: str | None, insecure: bool = False) -> bytes:
-    """--secret, else $LYNX_SECRET, else (only with insecure=True) a publicly known key. No built-in default."""
+class HandshakeRefused(WireError):
+    """This side refused the peer's handshake and has told it so (one generic ERROR frame): nothing more to send."""
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def read_secret_file(path: str) -> str:
+    """A secret from a file (its first line): unlike --secret, not visible to every local user in the process list."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            s = f.readline().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read the secret file {path}: {e}") from None
+    if not s:
+        raise ConfigError(f"the secret file {path} is empty")
+    return s
+
+
+def resolve_secret(secret: str | None, insecure: bool = False, host: str | None = None) -> bytes:
+    """`secret`, else $LYNX_SECRET, else (only with insecure=True, and only on a loopback `host` when one is given)
+    a publicly known key. No built-in default; a secret and insecure together are a contradiction."""
     s = secret or os.environ.get(SECRET_ENV)
+    if insecure:
+        if secret:
+            raise ConfigError("a secret and insecure=True together: drop --insecure to authenticate with the secret")
+        if host is not None and not is_loopback(host):
+            raise ConfigError(f"insecure=True (no authentication) is allowed on loopback only, not {host}")
+        return INSECURE_SECRET
     if s:
         return s.encode()
-    if insecure:
-        return INSECURE_SECRET
-    raise ConfigError(f"no shared secret: pass --secret or set {SECRET_ENV} (or --insecure, on loopback only)")
+    raise ConfigError(f"no shared secret: pass --secret-file, set {SECRET_ENV} or pass --secret "
+                      f"(or --insecure, on loopback only)")
+
+
+def mac_matches(got, want: str) -> bool:
+    """Constant-time comparison of a peer's MAC field (any JSON value) with ours; never raises."""
+    if not isinstance(got, str):
+        return False
+    return hmac.compare_digest(got.encode("utf-8", "surrogatepass"), want.encode())
 
 
 def _tag(key: bytes, header: bytes, body) -> bytes:
@@ -65,6 +112,7 @@ class Channel:
         self.checker = SequenceChecker()
         self._send_key: bytes | None = None
         self._recv_key: bytes | None = None
+        self.established = False  # both sides proved the secret: from here on every frame carries a MAC
 
     def authenticate(self, secret: bytes, ns: str, nc: str, role: str) -> None:
         """Switch on frame MACs: keys derived from the secret and both nonces, one per direction."""
@@ -95,7 +143,7 @@ class Channel:
         f = self.t.recv(timeout, limit)
         if self._recv_key is not None:
             if not f.flags & FLAG_MAC or len(f.payload) < TAG:
-                if f.type == FrameType.ERROR:  # a refusal sent before the peer switched MACs on
+                if f.type == FrameType.ERROR and not self.established:  # a refusal before the peer switched MACs on
                     raise PeerError(f.json().get("error", "?"))
                 raise WireError(f"{f.type.name} frame without a MAC after the handshake")
             body = memoryview(f.payload)[:-TAG]
@@ -122,22 +170,36 @@ def _nonce(hello: dict) -> str:
     return n
 
 
-def server_handshake(ch: Channel, secret: bytes, fp: str, timeout: float = 10.0) -> None:
+def server_handshake(ch: Channel, secret: bytes, fp: str, timeout: float = 10.0, on_hello=None) -> None:
+    """The prefill side's handshake within `timeout` seconds in all. Any failure before the client has proven the
+    secret (a malformed frame or field, a wrong MAC, silence past the deadline) gets one generic refusal and raises
+    HandshakeRefused with the actual reason (for this side's log). `on_hello()` runs when the client's HELLO has
+    arrived (the server's pre-authentication budget tells a peer in mid-handshake from an idle one)."""
     deadline = time.monotonic() + timeout
     left = lambda: max(0.0, deadline - time.monotonic())
     ns = secrets.token_hex(16)
     ch.send_json(FrameType.HELLO, {"role": "prefill", "nonce": ns})
-    hello = ch.recv(left(), FrameType.HELLO, MAX_HANDSHAKE).json()
-    nc = _nonce(hello)
-    if not hmac.compare_digest(str(hello.get("mac", "")), _mac(secret, "client", ns, nc)):
-        ch.send_json(FrameType.ERROR, {"error": REFUSED})
-        raise WireError("authentication failed: the client does not know the shared secret")
+    try:
+        hello = ch.recv(left(), FrameType.HELLO, MAX_HANDSHAKE).json()
+        if on_hello is not None:
+            on_hello()
+        nc = _nonce(hello)
+        if not mac_matches(hello.get("mac"), _mac(secret, "client", ns, nc)):
+            raise WireError("authentication failed: the client does not know the shared secret")
+    except (WireError, TimeoutError) as e:
+        if not isinstance(e, PeerClosed):
+            try:
+                ch.send_json(FrameType.ERROR, {"error": REFUSED}, wait=False).result(1)
+            except Exception:  # noqa: BLE001 — the peer may be gone already
+                pass
+        raise HandshakeRefused(str(e)) from None
     ch.authenticate(secret, ns, nc, "prefill")
     ch.send_json(FrameType.OK, {"mac": _mac(secret, "server", nc, ns), "fingerprint": fp})
     ok = ch.recv(left(), FrameType.OK, MAX_HANDSHAKE).json()
     if ok.get("fingerprint") != fp:
         ch.send_json(FrameType.ERROR, {"error": "model mismatch: fingerprints differ"})
-        raise WireError("model mismatch: the decode side runs a different model")
+        raise HandshakeRefused("model mismatch: the decode side runs a different model")
+    ch.established = True
 
 
 def client_handshake(ch: Channel, secret: bytes, fp: str, timeout: float = 10.0) -> None:
@@ -151,11 +213,13 @@ def client_handshake(ch: Channel, secret: bytes, fp: str, timeout: float = 10.0)
         ok = ch.recv(left(), FrameType.OK, MAX_HANDSHAKE).json()
     except PeerError as e:  # the server's one generic refusal is its verdict on our MAC; other errors are not
         if e.reason == REFUSED:
-            raise WireError("authentication failed: the prefill server refused our shared secret") from None
+            raise WireError("authentication failed: the prefill server refused the handshake (a different shared "
+                            "secret, or a handshake past its deadline)") from None
         raise WireError(f"handshake failed: {e}") from None
-    if not hmac.compare_digest(str(ok.get("mac", "")), _mac(secret, "server", nc, ns)):
+    if not mac_matches(ok.get("mac"), _mac(secret, "server", nc, ns)):
         raise WireError("authentication failed: the prefill server does not know the shared secret")
     if ok.get("fingerprint") != fp:
         ch.send_json(FrameType.ERROR, {"error": "model mismatch: fingerprints differ"})
         raise WireError("model mismatch: the prefill side runs a different model")
     ch.send_json(FrameType.OK, {"fingerprint": fp})
+    ch.established = True

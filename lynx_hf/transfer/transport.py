@@ -35,6 +35,8 @@ DSCP = {PRIO_ANCHOR: 46 << 2, PRIO_RESIDUAL: 10 << 2, PRIO_END: 10 << 2}  # EF f
 class Transport:
     """Base: the priority sender thread; subclasses provide _write(bytes, priority) and recv."""
 
+    send_timeout_s = 60.0  # a frame that cannot be written within this fails the connection
+
     def __init__(self, link: LinkEmulator | None = None):
         self.link = link or LinkEmulator()
         self._q: queue.PriorityQueue = queue.PriorityQueue()
@@ -127,6 +129,7 @@ class TcpTransport(Transport):
         self.sock = sock
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(send_timeout_s)
+        self.send_timeout_s = send_timeout_s
         self._poll = select.poll() if hasattr(select, "poll") else None
         if self._poll is not None:
             self._poll.register(sock, select.POLLIN | select.POLLPRI)
@@ -181,7 +184,7 @@ class TcpTransport(Transport):
                 try:
                     chunk = self._read_some(n - len(buf), deadline)
                 except socket.timeout:
-                    raise TimeoutError(f"no whole frame from the peer within {timeout} s") from None
+                    raise TimeoutError(f"no whole frame from the peer within {timeout:.3g} s") from None
                 except OSError as e:
                     raise ConnectionError(f"connection lost: {e}") from None
                 if not chunk:
@@ -212,15 +215,20 @@ class TlsTcpTransport(TcpTransport):
     each other. The TLS handshake runs in the constructor, within `timeout`."""
 
     def __init__(self, sock: socket.socket, context: ssl.SSLContext, server_side: bool,
-                 server_hostname: str | None = None, link: LinkEmulator | None = None, timeout: float = 10.0):
+                 server_hostname: str | None = None, link: LinkEmulator | None = None, timeout: float = 10.0,
+                 send_timeout_s: float = 60.0):
         self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
         self._tls = context.wrap_bio(self._in, self._out, server_side=server_side, server_hostname=server_hostname)
         self._tls_lock = threading.Lock()   # the SSLObject
         self._wire_lock = threading.Lock()  # the order of ciphertext on the socket
         self.sock = sock
-        sock.settimeout(timeout)
+        deadline = time.monotonic() + timeout
         try:
             while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise socket.timeout(f"no TLS handshake within {timeout:.3g} s")
+                sock.settimeout(left)  # bounds each send; the whole handshake is bounded by `deadline`
                 try:
                     with self._tls_lock:
                         self._tls.do_handshake()
@@ -228,11 +236,16 @@ class TlsTcpTransport(TcpTransport):
                     break
                 except ssl.SSLWantReadError:
                     self._flush()
-                    self._pull(sock.recv(1 << 16))  # the handshake runs under the socket's own timeout
+                    if not select.select([sock], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                        raise socket.timeout(f"no TLS handshake within {timeout:.3g} s") from None
+                    raw = sock.recv(1 << 16)
+                    if not raw:
+                        raise ConnectionError("the peer closed the connection during the TLS handshake")
+                    self._pull(raw)
         except (ssl.SSLError, OSError) as e:
             sock.close()
             raise ConnectionError(f"TLS handshake failed: {e}") from None
-        super().__init__(sock, link)
+        super().__init__(sock, link, send_timeout_s)
 
     def _flush(self) -> None:
         with self._wire_lock:
@@ -273,7 +286,10 @@ class TlsTcpTransport(TcpTransport):
         return self._wait_readable(timeout)
 
     def _goodbye(self) -> None:
+        if self._error is not None or self._sender.is_alive():
+            return  # the link failed or the sender is stuck in a send: no close_notify, close at once
         try:
+            self.sock.settimeout(1.0)
             with self._tls_lock:
                 self._tls.unwrap()
         except (ssl.SSLError, ValueError):

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from ..errors import LynxError
 
 MAGIC = b"LYNX"
-VERSION = 4  # 2: FIRST carries the prefill's logits, PROMPT declares vocab and windows; 3: frame MACs; 4: CANCEL
+VERSION = 5  # 2: FIRST carries the prefill's logits, PROMPT declares vocab and windows; 3: frame MACs; 4: CANCEL;
+#              5: PROGRESS
 HEADER = struct.Struct("<4sBBBBIII I")  # magic, version, type, stream, flags, request_id, seq, length, crc32
 MAX_PAYLOAD = 64 << 20   # one frame's payload
 MAX_JSON = 4 << 20       # a control payload (prompt ids included)
@@ -46,6 +47,7 @@ class FrameType(enum.IntEnum):
     END = 7       # JSON: end of the request's streams (frame counts per stream, prefill time)
     ERROR = 8     # JSON: {"error": message}
     CANCEL = 9    # JSON {}: the decode side stopped early; drop this request's frames still queued
+    PROGRESS = 10  # JSON {prefilled, of, queued}: the request waits for the prefill's compute (keeps its client's clock)
 
 
 class Stream(enum.IntEnum):

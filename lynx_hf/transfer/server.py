@@ -1,0 +1,221 @@
+"""`PrefillServer`: the prefill process's accept loop and what a connection may cost before and after it proves the
+shared secret.
+
+Contract (docs/wire-format.md, "Threat model"):
+- Before authentication a connection costs one socket and two threads for at most `handshake_timeout` seconds (the
+  TLS handshake included), within a budget of its own: `max_preauth` in all and `max_preauth_per_host` per source
+  address. A new connection over the budget evicts the oldest one that has not yet sent its HELLO (else the oldest):
+  idle peers cannot hold the door shut, and a legitimate client, which answers within a round trip, gets in.
+- Authenticated connections have their own cap (`max_connections`); one over it is told "server busy" inside its
+  authenticated channel. They are closed after `idle_timeout_s` without a request; a client that stops reading
+  fails its sends after `send_timeout_s`, and its slot, thread and memory are freed.
+- Peer input never reaches the log unquoted; nothing a peer sends is logged at traceback level.
+- `accept()` failing (EMFILE, ENFILE, ENOBUFS) is logged and retried with back-off; the loop ends only on close()."""
+from __future__ import annotations
+
+import logging
+import math
+import socket
+import ssl
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..arch import fingerprint
+from ..errors import ConfigError
+from ..link import LinkEmulator
+from ..quant.dispatch import prepare
+from .prefill import PREFILL_CHUNK, ComputeQueue, serve_channel
+from .session import Channel, HandshakeRefused, PeerError, quote_peer, resolve_secret, server_handshake
+from .transport import TcpTransport, TlsTcpTransport
+from .wire import FrameType, WireError
+
+log = logging.getLogger("lynx_hf.prefill")
+
+
+@dataclass(eq=False)
+class _Pending:
+    """A connection that has not yet proven the secret."""
+    sock: socket.socket
+    host: str
+    since: float = field(default_factory=time.monotonic)
+    spoke: bool = False  # its HELLO has arrived
+    evicted: bool = False
+
+
+class _RateLimitedLog:
+    """At most one line per `every` seconds for events a flood could repeat, with a count of those not shown."""
+
+    def __init__(self, every: float = 1.0):
+        self.every, self._last, self._quiet, self._lock = every, -math.inf, 0, threading.Lock()
+
+    def warning(self, msg: str, *args) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last < self.every:
+                self._quiet += 1
+                return
+            quiet, self._quiet, self._last = self._quiet, 0, now
+        log.warning(msg + (f" (and {quiet} more like it)" if quiet else ""), *args)
+
+
+def _positive(name: str, x, allow_none: bool = False, allow_zero: bool = False) -> None:
+    if x is None and allow_none:
+        return
+    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and (x > 0 or allow_zero and x == 0)
+    if not ok:
+        raise ConfigError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {x!r}")
+
+
+class PrefillServer:
+    """Accepts decode peers; each connection gets its own thread, transport and sender (so a slow or stalled client
+    only ever delays itself). Forward passes go through one `ComputeQueue` (shortest remaining prompt first, in
+    chunks of `prefill_chunk` tokens)."""
+
+    def __init__(self, model, host: str = "127.0.0.1", port: int = 0, secret: str | None = None,
+                 bandwidth_bps: float | None = None, latency_s: float = 0.0, handshake_timeout: float = 5.0,
+                 max_connections: int = 32, insecure: bool = False, tls_cert: str | None = None,
+                 tls_key: str | None = None, max_preauth: int = 128, max_preauth_per_host: int = 96,
+                 idle_timeout_s: float = 300.0, send_timeout_s: float = 30.0, prefill_chunk: int = PREFILL_CHUNK):
+        _positive("bandwidth_bps", bandwidth_bps, allow_none=True)
+        _positive("latency_s", latency_s, allow_zero=True)
+        for name, x in (("handshake_timeout", handshake_timeout), ("idle_timeout_s", idle_timeout_s),
+                        ("send_timeout_s", send_timeout_s)):
+            _positive(name, x)
+        for name, x in (("max_connections", max_connections), ("max_preauth", max_preauth),
+                        ("max_preauth_per_host", max_preauth_per_host), ("prefill_chunk", prefill_chunk)):
+            if not (isinstance(x, int) and not isinstance(x, bool) and x >= 1):
+                raise ConfigError(f"{name} must be an int >= 1, got {x!r}")
+        if tls_key and not tls_cert:
+            raise ConfigError("a TLS key without a certificate: pass --tls-cert too (or neither, for plain TCP)")
+        self.tls = None
+        if tls_cert:  # TLS on top of the frame MACs: confidentiality for links that leave the rack
+            self.tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            try:
+                self.tls.load_cert_chain(tls_cert, tls_key)
+            except (OSError, ssl.SSLError) as e:
+                raise ConfigError(f"cannot load the TLS certificate {tls_cert}"
+                                  f"{'' if tls_key else ' (no --tls-key: the key must be inside it)'}: {e}") from None
+        self.model, self.secret, self.fp = model, resolve_secret(secret, insecure, host), fingerprint(model)
+        prepare(next(model.parameters()).device)  # build the codec's kernels now, not inside the first request
+        self.bw, self.latency, self.hs_timeout, self.max_conn = bandwidth_bps, latency_s, handshake_timeout, max_connections
+        self.max_preauth, self.max_preauth_per_host = max_preauth, max_preauth_per_host
+        self.idle_timeout_s, self.send_timeout_s, self.chunk = idle_timeout_s, send_timeout_s, prefill_chunk
+        self.sock = socket.create_server((host, port), reuse_port=False)
+        self.address = self.sock.getsockname()[:2]
+        self.compute = ComputeQueue()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # the two budgets below
+        self._conns = 0
+        self._pending: list[_Pending] = []  # oldest first
+        self._preauth_log = _RateLimitedLog()
+
+    @property
+    def connections(self) -> int:
+        """Authenticated connections being served."""
+        return self._conns
+
+    @property
+    def preauth(self) -> int:
+        """Connections that have not (yet) proven the secret."""
+        return len(self._pending)
+
+    def serve_forever(self) -> None:
+        self.sock.settimeout(0.5)
+        backoff = 0.05
+        while not self._stop.is_set():
+            try:
+                conn, addr = self.sock.accept()
+            except socket.timeout:
+                continue
+            except OSError as e:
+                if self._stop.is_set() or self.sock.fileno() < 0:
+                    break
+                log.error("accept failed: %s; evicting the oldest unauthenticated connection, retrying in %.2f s",
+                          e, backoff)
+                self._evict_oldest()
+                self._stop.wait(backoff)
+                backoff = min(2 * backoff, 1.0)
+                continue
+            backoff = 0.05
+            self._admit(conn, addr)
+
+    def start(self) -> "PrefillServer":
+        threading.Thread(target=self.serve_forever, name="lynx-prefill-server", daemon=True).start()
+        return self
+
+    def _evict(self, victim: _Pending) -> None:
+        victim.evicted = True
+        try:
+            victim.sock.shutdown(socket.SHUT_RDWR)  # its thread sees the end of the stream and frees the slot
+        except OSError:
+            pass
+
+    def _evict_oldest(self, host: str | None = None) -> None:
+        with self._lock:
+            pool = [p for p in self._pending if not p.evicted and (host is None or p.host == host)]
+            victim = min(pool, key=lambda p: (p.spoke, p.since), default=None)
+        if victim is not None:
+            self._evict(victim)
+
+    def _admit(self, conn: socket.socket, addr) -> None:
+        pend = _Pending(conn, str(addr[0]))
+        with self._lock:
+            live = [p for p in self._pending if not p.evicted]
+            same = [p for p in live if p.host == pend.host]
+            over = same if len(same) >= self.max_preauth_per_host else live if len(live) >= self.max_preauth else []
+            victim = min(over, key=lambda p: (p.spoke, p.since), default=None)
+            self._pending.append(pend)
+        if victim is not None:
+            self._preauth_log.warning("pre-authentication budget full: dropping %s (unauthenticated for %.1f s)",
+                                      victim.host, time.monotonic() - victim.since)
+            self._evict(victim)
+        threading.Thread(target=self._handle, args=(pend, addr), name="lynx-conn", daemon=True).start()
+
+    def _handle(self, pend: _Pending, addr) -> None:
+        ch, authed, peer = None, False, quote_peer(f"{addr[0]}:{addr[1]}")
+        try:
+            link = LinkEmulator(self.bw, self.latency)
+            conn = pend.sock
+            t = TcpTransport(conn, link, self.send_timeout_s) if self.tls is None else \
+                TlsTcpTransport(conn, self.tls, server_side=True, link=link, timeout=self.hs_timeout,
+                                send_timeout_s=self.send_timeout_s)
+            ch = Channel(t)
+            server_handshake(ch, self.secret, self.fp, max(0.01, pend.since + self.hs_timeout - time.monotonic()),
+                             on_hello=lambda: setattr(pend, "spoke", True))
+            with self._lock:
+                self._pending.remove(pend)
+                authed = self._conns < self.max_conn
+                self._conns += authed
+            if not authed:
+                log.warning("refusing %s: %d authenticated connections already", peer, self.max_conn)
+                ch.send_json(FrameType.ERROR, {"error": "server busy: too many connections"}, wait=False).result(1)
+                return
+            serve_channel(self.model, ch, self.compute, peer, self.idle_timeout_s, self.chunk)
+        except HandshakeRefused as e:
+            self._preauth_log.warning("refused %s%s: %s", peer, " (evicted)" if pend.evicted else "", e)
+        except (WireError, ConnectionError, TimeoutError, OSError) as e:
+            if not authed:
+                self._preauth_log.warning("client %s dropped before authenticating: %s", peer, e)
+                return
+            log.warning("client %s dropped: %s", peer, e)
+            if not isinstance(e, PeerError):  # an ERROR from the peer is not answered with another
+                try:
+                    ch.send_json(FrameType.ERROR, {"error": str(e)[:500]}, wait=False).result(1)
+                except Exception:  # noqa: BLE001 — the peer may be gone already
+                    pass
+        except Exception as e:  # noqa: BLE001 — a bug of ours: never let one request take the server down
+            log.exception("request from %s failed: %s", peer, e)
+        finally:
+            with self._lock:
+                if pend in self._pending:
+                    self._pending.remove(pend)
+                self._conns -= authed
+            if ch is not None:
+                ch.close()
+            else:
+                pend.sock.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.sock.close()
