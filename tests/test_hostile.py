@@ -64,9 +64,9 @@ class Flood:
     """`n` unauthenticated connections that never say a word; any the server closes is opened again (each sweep
     every `sweep_s`), like a peer trying to keep the door shut."""
 
-    def __init__(self, address, n, sweep_s=0.05):
-        self.address, self.sweep_s, self.reopened = address, sweep_s, 0
-        self.socks = [socket.create_connection(address, timeout=5) for _ in range(n)]
+    def __init__(self, address, n, sweep_s=0.05, source="127.0.0.1"):
+        self.address, self.sweep_s, self.reopened, self.source = address, sweep_s, 0, (source, 0)
+        self.socks = [self._open() for _ in range(n)]
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
@@ -83,10 +83,13 @@ class Flood:
                     if gone:
                         s.close()
                         try:
-                            self.socks[i] = socket.create_connection(self.address, timeout=5)
+                            self.socks[i] = self._open()
                             self.reopened += 1
                         except OSError:
                             pass
+
+    def _open(self):
+        return socket.create_connection(self.address, timeout=5, source_address=self.source)
 
     @staticmethod
     def _drain(s) -> bool:
@@ -120,20 +123,39 @@ def test_64_idle_unauthenticated_connections_shut_no_one_out(tiny):
         srv.close()
 
 
-def test_a_flood_over_the_preauth_budget_evicts_idle_peers_not_clients(tiny):
-    """A budget of 4 unauthenticated connections, 32 idle peers re-opening whatever is closed: every new arrival
-    evicts the oldest idle one, and each of 5 clients in a row is served."""
-    srv = S.PrefillServer(tiny, secret=SECRET, max_preauth=4, max_preauth_per_host=4, handshake_timeout=2).start()
-    flood = Flood(srv.address, 32)
+def test_a_flooding_host_is_held_to_its_own_budget(tiny):
+    """32 idle connections from 127.0.0.2, re-opened as fast as they are dropped, against a budget of 3 per host:
+    the flood never holds more than 3, and each of 5 clients from 127.0.0.1 in a row is served. (Before, 32 idle
+    connections from anywhere took every slot.)"""
+    srv = S.PrefillServer(tiny, secret=SECRET, max_preauth=16, max_preauth_per_host=3, handshake_timeout=2).start()
+    flood = Flood(srv.address, 32, source="127.0.0.2")
     try:
         assert wait_until(lambda: flood.reopened > 10)
         for k in range(5):
             cli = DecodeClient(tiny, *srv.address, secret=SECRET)
             assert len(cli.generate(ids(8, k), Q(), max_new_tokens=2)["tokens"]) == 2
             cli.close()
-        assert srv.preauth <= 4
+            assert srv.preauth <= 3
     finally:
         flood.close()
+        srv.close()
+
+
+def test_idle_connections_over_the_budget_are_dropped_oldest_first(tiny):
+    srv = S.PrefillServer(tiny, secret=SECRET, max_preauth=4, max_preauth_per_host=4).start()
+    try:
+        idle = []
+        for _ in range(6):
+            idle.append(socket.create_connection(srv.address, timeout=5))
+            assert wait_until(lambda: srv.preauth == min(len(idle), 4))
+        cli = DecodeClient(tiny, *srv.address, secret=SECRET)  # evicts the oldest idle one, then authenticates
+        assert len(cli.generate(ids(8, 0), Q(), max_new_tokens=2)["tokens"]) == 2
+        cli.close()
+        gone = [frames_until_eof(s, 5) is not None and s.recv(1) == b"" for s in idle[:3]]
+        assert all(gone)  # the three oldest were closed: by the 5th, the 6th connection and the client
+        for s in idle:
+            s.close()
+    finally:
         srv.close()
 
 

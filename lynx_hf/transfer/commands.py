@@ -113,18 +113,23 @@ def _serve_decode(a):
     cli = None
     cfg = LynxQuantConfig.from_pretrained(a.lynx_config) if a.lynx_config else LynxQuantConfig(method=a.method)
     failed = False
+
+    def fail(msg: str) -> None:  # one JSON line for the caller's parser, one line on stderr for a person
+        nonlocal failed
+        failed = True
+        print(json.dumps({"error": msg}), flush=True)
+        print(f"lynx-hf serve-decode: error: {msg}", file=sys.stderr, flush=True)
+
     for label, text in _prompts(a):
         if isinstance(text, Exception):
-            print(json.dumps({"error": str(text)}), flush=True)
-            failed = True
+            fail(str(text))
             continue
         try:
             if cli is None:
                 cli = connect()
             r = cli.generate(tok(text).input_ids, cfg, max_new_tokens=a.max_new_tokens, speculative=not a.no_drafts)
         except (LynxError, ConnectionError, TimeoutError, OSError) as e:
-            print(json.dumps({"error": f"{label}: {e}"}), flush=True)
-            failed = True
+            fail(f"{label}: {e}")
             if cli is not None and cli.broken:
                 cli.close()
                 cli = None  # the next prompt opens a new connection
