@@ -3,21 +3,41 @@
     DIR/README.md                          model card (huggingface_hub ModelCard / ModelCardData; the measured
                                            results of docs/results.json as EvalResults, so the Hub shows them)
     DIR/lynx_config.json                   the codec (LynxQuantConfig.save_pretrained; calibrated or default)
+    DIR/results.md                         the results table the card's numbers come from (when there is one)
     DIR/custom_generate/generate.py        Transformers' Hub layout: model.generate(..., custom_generate=DIR_OR_REPO,
-    DIR/custom_generate/requirements.txt   trust_remote_code=True) runs Lynx (lynx_hf/hub.py)
+    DIR/custom_generate/lynx_*.py          trust_remote_code=True) runs Lynx: the shim, a flat copy of the runtime
+    DIR/custom_generate/requirements.txt   (lynx_hf/hub_folder.py) and what it needs from the index (torch,
+                                           transformers)
 
 `--push REPO` uploads the folder with huggingface_hub (needs a token and the network)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from lynx_hf import LynxQuantConfig
-from lynx_hf.hub import write_custom_generate
+from lynx_hf.hub_folder import write_custom_generate
 
 from .results import LABELS
 
 DEFAULT_BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+DEFAULT_RESULTS = "docs/results.md"
+
+
+def resolve_results(results: str | None) -> str | None:
+    """The results file: as given; the default also beside this checkout's docs/ when run from elsewhere, and none
+    (a card without results) when there is no such file."""
+    if results != DEFAULT_RESULTS:
+        return results or None
+    for p in (Path(results), Path(__file__).resolve().parent.parent / results):
+        if p.exists():
+            return str(p)
+    print(f"lynx-hf card: no {DEFAULT_RESULTS} here or in this checkout: the card has no results section "
+          "(write them with `lynx-hf results`, pass --results FILE)")
+    return None
 
 
 def _results_json(results: str | None) -> dict | None:
@@ -36,9 +56,9 @@ def eval_results(report: dict | None) -> list:
     out = []
     for n_ctx, c in (report or {}).get("contexts", {}).items():
         for mode, r in c["rows"].items():
-            out.append(EvalResult(task_type="multiple-choice", task_name="MMLU-Pro, many-shot long context",
+            out.append(EvalResult(task_type="multiple-choice", task_name=f"MMLU-Pro, many-shot {n_ctx}-token context",
                                   dataset_type="TIGER-Lab/MMLU-Pro", dataset_name="MMLU-Pro",
-                                  dataset_config=f"many-shot {n_ctx} tokens", dataset_split="test",
+                                  dataset_config="default", dataset_split="test",
                                   metric_type="accuracy", metric_name=f"accuracy, KV {LABELS.get(mode, mode)}",
                                   metric_value=round(r["accuracy"], 4)))
     return out
@@ -54,12 +74,26 @@ def _body(base: str, cfg: LynxQuantConfig, report: dict | None, results_md: str 
              f'tok = AutoTokenizer.from_pretrained("{base}")',
              'ids = tok("The capital of France is", return_tensors="pt").input_ids',
              'out = model.generate(ids, custom_generate="THIS_REPO", trust_remote_code=True, max_new_tokens=32)',
-             "```", "", "Needs `pip install lynx-hf` (custom_generate/requirements.txt). The codec settings are in "
-             "`lynx_config.json` (`lynx_hf.LynxQuantConfig.from_pretrained(THIS_REPO)`):", "", "```json",
+             "```", "", "`custom_generate/` carries the Lynx runtime (the `lynx_*.py` files beside `generate.py`); "
+             "it needs only `torch` and `transformers` (`custom_generate/requirements.txt`). Without a `cache=`, "
+             "`generate` prefills locally, quantizes the prompt's KV with the settings below, drafts on the 4-bit "
+             "anchor and lets the residual land after `residual_after_steps` draft steps (a stand-in for the "
+             "transfer), then verifies: the output equals plain greedy or sampled `generate` on the full tier.", "",
+             "What this `generate` adds to Transformers' arguments:", "",
+             "- `cache=`: a `LynxCache` holding a prompt's KV transferred from a prefill node (built with the "
+             "lynx-hf package: `LynxCache.from_prefill` or a network loader), decoded instead of a local prefill;",
+             "- `residual_after_steps=N`: when the residual lands in the local stand-in (default "
+             "`RESIDUAL_AFTER_STEPS` in `generate.py`);",
+             "- `streamer=` / `lynx_streamer=`: any Transformers streamer gets the verified tokens; one with "
+             "`put_provisional` / `resolve_provisional` also sees the drafts and their retraction.", "",
+             "What it refuses, with a `ValueError` naming the way out: beam search (`num_beams` > 1), "
+             "`assistant_model` / prompt lookup, contrastive search, DoLa, `prefix_allowed_tokens_fn`, negative "
+             "prompts, token healing.", "",
+             "The codec settings are in `lynx_config.json`:", "", "```json",
              json.dumps(cfg.to_dict(), indent=1), "```", ""]
     if report:
         lines += ["## Results", "", "Accuracy by KV mode on MMLU-Pro many-shot prompts (`lynx-hf results`"
-                  + (f", full table in {Path(results_md).name}" if results_md else "") + "):", "",
+                  + (", full table in results.md" if results_md else "") + "):", "",
                   "| context | " + " | ".join(LABELS[m] for m in LABELS) + " | Lynx = full tier |",
                   "|---|" + "---:|" * (len(LABELS) + 1)]
         for n_ctx, c in report["contexts"].items():
@@ -75,6 +109,7 @@ def run(model_name: str | None = None, out: str = "card", results: str | None = 
 
     base = model_name or DEFAULT_BASE
     cfg = LynxQuantConfig.from_pretrained(lynx_config) if lynx_config else LynxQuantConfig()
+    results = resolve_results(results)
     report = _results_json(results)
     data = ModelCardData(base_model=base, library_name="transformers", license="apache-2.0",
                          tags=["custom_generate", "lynx", "kv-cache-quantization", "speculative-decoding",
@@ -86,6 +121,10 @@ def run(model_name: str | None = None, out: str = "card", results: str | None = 
     local = _cfg_file(lynx_config) if lynx_config else None  # a calibration's measurements travel with it
     calibration = json.loads(local.read_text()).get("calibration") if local else None
     cfg.save_pretrained(out, calibration)
+    if results:
+        md = Path(results).with_suffix(".md")
+        if md.exists():
+            shutil.copyfile(md, Path(out) / "results.md")
     write_custom_generate(out, cfg, residual_after)
     if push:
         from huggingface_hub import HfApi
@@ -93,7 +132,8 @@ def run(model_name: str | None = None, out: str = "card", results: str | None = 
         api = HfApi()
         api.create_repo(push, exist_ok=True)
         api.upload_folder(repo_id=push, folder_path=out, commit_message="Lynx model card and custom_generate")
-    print(f"wrote {out}/README.md, lynx_config.json, custom_generate/" + (f"; pushed to {push}" if push else ""))
+    print(f"wrote {out}/README.md, lynx_config.json, {'results.md, ' if results else ''}custom_generate/"
+          + (f"; pushed to {push}" if push else ""))
     return out
 
 

@@ -19,6 +19,38 @@ def data_dir() -> Path:
     raise FileNotFoundError("shared data not found: set LYNX_DATA to the folder holding text/ and mmlu_pro/")
 
 
+WAY_OUT = ("set LYNX_DATA to a folder holding text/tinyshakespeare.txt and mmlu_pro/test.jsonl (README, 'Data'); "
+           "tests/fixtures/ has small stand-ins: shakespeare.txt, mmlu_pro.jsonl")
+
+
+def require(command: str, text: str | None = None, needs_text: bool = False, needs_mmlu: bool = False) -> None:
+    """Before any model is loaded: what `command` reads exists, else one FileNotFoundError line saying what is
+    missing and the way out. `text`: the --text file given (None: the shared Shakespeare, where `needs_text`)."""
+    if text is not None and not Path(text).is_file():
+        raise FileNotFoundError(f"lynx-hf {command}: --text {text}: no such file")
+    if needs_text and text is None:
+        try:
+            path = shakespeare()
+        except FileNotFoundError:
+            path = None
+        if path is None or not path.is_file():
+            raise FileNotFoundError(f"lynx-hf {command} reads the shared tinyshakespeare.txt, not found: pass --text "
+                                    f"FILE, or {WAY_OUT}")
+    if needs_mmlu:
+        env = os.environ.get("LYNX_MMLU_PRO_PATH")
+        if env:
+            if not Path(env).is_file():
+                raise FileNotFoundError(f"lynx-hf {command}: LYNX_MMLU_PRO_PATH={env}: no such file")
+            return
+        try:
+            ok = mmlu_pro().is_file()
+        except FileNotFoundError:
+            ok = False
+        if not ok:
+            raise FileNotFoundError(f"lynx-hf {command} reads MMLU-Pro questions, not found: set LYNX_MMLU_PRO_PATH "
+                                    f"to a JSONL file in the Hub dataset's schema, or {WAY_OUT}")
+
+
 def shakespeare() -> Path:
     return data_dir() / "text" / "tinyshakespeare.txt"
 

@@ -99,33 +99,44 @@ def _row(r: dict) -> dict:
             "verify_overlap_s": overlap}
 
 
-def plot_timeline(runs: dict, path: Path, bandwidth_bps: float) -> None:
+def plot_timeline(runs: dict, path: Path, bandwidth_bps: float, prompt_tokens: int, new_tokens: int = 32) -> None:
+    """One row per method: each KV segment's arrival by layer (Lynx: anchor and residual; the others send their
+    whole KV in one stream), and the decode side's tokens on top (draft, verify pass, verified)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 2.1 * len(runs)), sharex=True)
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 1.9 * len(runs) + 1.2), sharex=True)
     for ax, (name, r) in zip(axes, runs.items()):
-        t0 = r["t0"]
+        t0, split = r["t0"], name.startswith("Lynx")
         for t, what, layer, kind in r["events"]:
-            ax.plot([t - t0], [layer], "|", color="tab:blue" if what == "anchor" else "tab:orange", ms=6)
+            color = ("tab:blue" if what == "anchor" else "tab:orange") if split else "tab:purple"
+            ax.plot([t - t0], [layer], "|", color=color, ms=6)
         ymax = max((e[2] for e in r["events"]), default=0) + 1
         for t, k in r["timeline"]:
             c = {"draft": "tab:gray", "verified": "tab:green", "verify_start": "tab:red"}[k]
-            ax.axvline(t - t0, ymin=0.9, ymax=1.0, color=c, lw=1)
-        ax.set_ylabel(f"{name}\nlayer")
-        ax.set_ylim(-1, ymax + 2)
-    axes[-1].set_xlabel(f"seconds since request (link {bandwidth_bps / 1e6:.0f} Mbit/s); ticks: anchor (blue), "
-                        "residual (orange) arrivals; top: draft (grey), verify (red), verified (green) tokens")
-    fig.tight_layout()
+            ax.axvline(t - t0, ymin=0.88, ymax=1.0, color=c, lw=1)
+        ax.set_ylabel(f"{name}\nlayer", fontsize=8)
+        ax.set_ylim(-1, ymax + 3)
+    legend = [Line2D([], [], color=c, marker="|", ls="", ms=9, label=l) for c, l in (
+        ("tab:purple", "KV segment (one stream)"), ("tab:blue", "Lynx anchor segment"),
+        ("tab:orange", "Lynx residual segment"))] + \
+        [Line2D([], [], color=c, lw=1.5, label=l) for c, l in (
+            ("tab:gray", "draft token"), ("tab:red", "verify pass"), ("tab:green", "verified token"))]
+    fig.legend(handles=legend, loc="lower center", ncol=6, fontsize=8, frameon=False)
+    axes[-1].set_xlabel("seconds since the request was sent")
+    fig.suptitle(f"lynx-hf demo: a {prompt_tokens}-token prompt's KV over a {bandwidth_bps / 1e6:g} Mbit/s link, "
+                 f"then {new_tokens} tokens", fontsize=11)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_json=False, out_dir="runs",
         model_name=None, do_sample=False):
-    say = (lambda *a: None) if as_json else print
+    say = (lambda *a: print(*a, file=sys.stderr)) if as_json else print  # --json: stdout holds the JSON line only
     model, tok = lynx_hf.load_default_model(model_name)
     text = open(prompt_file, encoding="utf-8", errors="replace").read() if prompt_file else default_prompt_text()
     ids = tok(text).input_ids[:tokens]
@@ -134,7 +145,7 @@ def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_jso
     with prefill_child(model, bandwidth_bps, ids[:64], model_name) as cli:
         plan = [(n, c, True) for n, c in METHODS.items()] + [("Lynx (no drafts: full-tier reference)", METHODS["Lynx"], False)]
         gen = {"do_sample": True, "temperature": 0.7} if do_sample else {}
-        for name, cfg, spec in tqdm(plan, desc="methods", disable=as_json):
+        for name, cfg, spec in tqdm(plan, desc="methods", file=sys.stderr):
             torch.manual_seed(0)
             runs[name] = cli.generate(ids, cfg, max_new_tokens=new_tokens, speculative=spec, **gen)
     rows = {n: _row(r) for n, r in runs.items()}
@@ -150,17 +161,23 @@ def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_jso
         f"Lynx/INT8 {rows['Lynx']['ttft_s'] / rows['INT8']['ttft_s']:.2f}; Lynx identical to full tier: {same}; "
         f"verify pass started {rows['Lynx']['verify_overlap_s'] or 0:.2f} s before the last residual segment landed")
     say("Lynx generated:", repr(tok.decode(runs["Lynx"]["tokens"])))
+    link_s = rows["BF16"]["bytes"] * 8 / bandwidth_bps  # BF16's KV on the link alone
+    prefill_bound = runs["Lynx"]["prefill_s"] > 0.5 * link_s
+    if prefill_bound:
+        say(f"NOTE: the prefill ({runs['Lynx']['prefill_s']:.2f} s) took more than half as long as BF16's KV on the link "
+            f"({link_s:.2f} s): this machine's compute, not the link, sets these TTFTs, and the ratios say little about "
+            f"KV transfer (use a slower --bandwidth-mbps or a less busy machine)")
     res = {"methods": {n: {k: rows[n][k] for k in ("ttft_s", "ttft_verified_s", "tt32t_s", "bytes")}
-                       for n in METHODS},
+                       for n in rows},
            "lynx": {"drafted": rows["Lynx"]["drafted"], "accepted": rows["Lynx"]["accepted"], "identical_to_full": same,
                     "verify_overlap_s": rows["Lynx"]["verify_overlap_s"]},
-           "do_sample": do_sample,
+           "do_sample": do_sample, "prefill_bound": prefill_bound,
            "bandwidth_bps": bandwidth_bps, "prompt_tokens": len(ids), "prefill_s": runs["Lynx"]["prefill_s"]}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "demo.json").write_text(json.dumps({**res, "rows": rows}, indent=2))
     try:
-        plot_timeline({n: runs[n] for n in ("INT8", "INT4 (KIVI-4)", "Lynx")}, out / "demo_timeline.png", bandwidth_bps)
+        plot_timeline(runs, out / "demo_timeline.png", bandwidth_bps, len(ids), new_tokens)
         say(f"wrote {out / 'demo.json'} and {out / 'demo_timeline.png'}")
     except ImportError:
         say(f"wrote {out / 'demo.json'} (install matplotlib for the timeline PNG)")

@@ -10,6 +10,10 @@
 # (a venv with --system-site-packages); otherwise pip brings one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "eval/gpu_check.sh: no NVIDIA GPU here (nvidia-smi finds none); run it on a GPU machine" >&2
+  exit 1
+fi
 OUT=${OUT:-runs/gpu_check}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}

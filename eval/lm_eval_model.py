@@ -3,7 +3,8 @@
     lynx-hf eval --model lynx --model_args kv=lynx,residual_after=8 --tasks mmlu_pro_local --limit 50
 
 Model args (besides HFLM's own: batch_size, max_length, ...):
-    pretrained       Hub id or local folder (default: the embedded SmolLM2-135M-Instruct); gguf_file for GGUF
+    pretrained       Hub id or local folder (default: the embedded SmolLM2-135M-Instruct, named
+                     "embedded/SmolLM2-135M-Instruct" in the results); gguf_file for GGUF
     kv               bf16 | int8 | int4 | kivi2 | anchor | lynx | identity (eval/kv_modes.py), default lynx
     lynx_config      folder, file or Hub repo with a lynx_config.json (LynxQuantConfig.from_pretrained)
     residual_after   "lynx": the residual lands after this many draft steps (default 8), or
@@ -30,6 +31,7 @@ from transformers import StopStringCriteria, StoppingCriteriaList
 import lynx_hf
 from lynx_hf import LynxQuantConfig
 from lynx_hf.local import prefill
+from lynx_hf.model import EMBEDDED
 from lynx_hf.errors import ConfigError
 from lynx_hf.transfer.decode import DTYPES  # dtype name → torch dtype, as on the wire
 
@@ -127,10 +129,49 @@ def _with_ours(include_path):
     return [*paths, TASKS_DIR]
 
 
+PREFACE = """lynx-hf eval: lm-eval's own CLI (every flag below works unchanged), plus
+  --model lynx        the KV-mode model: --model_args kv=MODE[,pretrained=HUB_ID_OR_FOLDER][,lynx_config=DIR]
+                      [,residual_after=N][,bandwidth_mbps=X]; MODE is one of {modes}
+                      (default: lynx; pretrained defaults to the embedded SmolLM2-135M-Instruct)
+  tasks               lm-eval's own (e.g. niah_single_1, mmlu_pro) and this project's: {ours}
+                      (`lynx-hf eval ls tasks` lists them all)
+"""
+
+
+def _our_tasks() -> list[str]:
+    d = os.path.join(os.path.dirname(__file__), "tasks")
+    return sorted(f[:-5] for f in os.listdir(d) if f.endswith(".yaml"))
+
+
 def cli(argv: list[str]) -> None:
     """`lynx-hf eval ARGS`: lm-eval's own CLI (every flag unchanged) with the `lynx` model registered and this
-    project's task folder indexed next to lm-eval's own tasks and any --include_path."""
+    project's task folder indexed next to lm-eval's own tasks and any --include_path. Without --device, the device
+    that runs (cuda if available, else cpu) is what lm-eval records; for `--model lynx` without `pretrained=`, the
+    results carry the embedded model's name (lm-eval names its output folder after it)."""
     import sys
+
+    if {"-h", "--help"} & set(argv):
+        print(PREFACE.format(modes=" | ".join(MODES), ours=", ".join(_our_tasks())))
+    tasks = argv[argv.index("--tasks") + 1].split(",") if "--tasks" in argv[:-1] else []
+    if tasks == ["list"]:
+        raise SystemExit("lynx-hf eval: `--tasks list` is not a task: `lynx-hf eval ls tasks` lists them")
+    if any(t.startswith(("mmlu_pro_local", "mmlu_pro_longctx")) for t in tasks):
+        from .data import require
+
+        try:
+            require("eval --tasks " + ",".join(tasks), needs_mmlu=True)
+        except FileNotFoundError as e:
+            raise SystemExit(f"error: {e}") from None
+    argv = list(argv)
+    if argv and argv[0] not in ("ls", "validate") and not {"-h", "--help"} & set(argv):
+        if "--device" not in argv:
+            argv += ["--device", "cuda" if torch.cuda.is_available() else "cpu"]
+        if "--model" in argv and argv[argv.index("--model") + 1:argv.index("--model") + 2] == ["lynx"]:
+            i = argv.index("--model_args") + 1 if "--model_args" in argv else None
+            margs = argv[i] if i is not None and i < len(argv) else ""
+            if not any(f"{k}=" in margs for k in ("pretrained", "model", "path")):
+                margs = ",".join(x for x in (margs, f"pretrained={EMBEDDED}") if x)
+                argv = argv[:i] + [margs] + argv[i + 1:] if i is not None else argv + ["--model_args", margs]
 
     from lm_eval import __main__ as lm_main
     from lm_eval.tasks import TaskManager

@@ -1,12 +1,24 @@
-"""lynx-hf: progressive speculative quantization (Lynx) of the KV cache for Hugging Face Transformers."""
-from .config import LynxQuantConfig, SpecConfig
-from .model import load_default_model
-from . import quant
-from .cache import LynxCache
-from .loader import LoaderError
-from .engine import speculative_generate
-from .streamer import SpeculativeStreamer
+"""lynx-hf: progressive speculative quantization (Lynx) of the KV cache for Hugging Face Transformers.
 
-__all__ = ["LynxQuantConfig", "SpecConfig", "load_default_model", "quant", "LynxCache", "LoaderError",
-           "speculative_generate", "SpeculativeStreamer"]
+The public names load on first use (PEP 562), so `import lynx_hf` and the `lynx-hf` command start without torch."""
+import importlib
+
 __version__ = "0.1.0"
+_PUBLIC = {"LynxQuantConfig": ".config", "SpecConfig": ".config", "load_default_model": ".model", "quant": None,
+           "LynxCache": ".cache", "LoaderError": ".loader", "speculative_generate": ".engine",
+           "SpeculativeStreamer": ".streamer"}
+__all__ = list(_PUBLIC)
+
+
+def __getattr__(name):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'lynx_hf' has no attribute {name!r}")
+    module = _PUBLIC[name]
+    value = importlib.import_module(f".{name}", __name__) if module is None else \
+        getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

@@ -4,6 +4,7 @@ model configs itself."""
 from __future__ import annotations
 
 import hashlib
+import json
 
 import torch
 from transformers.cache_utils import get_layer_types_and_kwargs
@@ -52,12 +53,22 @@ def kv_geometry(model) -> dict:
             "vocab": logits_width(model)}
 
 
+PROVENANCE = ("_name_or_path", "architectures", "transformers_version")  # where the model was loaded from, not what it is
+
+
 def fingerprint(model) -> str:
     """Identifies the model's architecture and weights: its config, and every parameter's name, shape, a strided
     sample of its values, and two integer sums over the bits of all its values as float32 (one pass over the weights,
     so any change shows), exact in any order: the same weights give the same fingerprint on any device and thread
-    count (float sums would not: their rounding follows the reduction order)."""
-    h = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    count (float sums would not: their rounding follows the reduction order). The config is taken without where
+    the model was loaded from (`PROVENANCE`; a GGUF file's de-quantization note), so the same model loaded from two
+    install paths, or from its GGUF file and from the converted copy, has one fingerprint."""
+    config = json.loads(model.config.to_json_string(use_diff=False))
+    for key in PROVENANCE:
+        config.pop(key, None)
+    if (config.get("quantization_config") or {}).get("quant_method") == "gguf":
+        config.pop("quantization_config")  # GGUF weights arrive de-quantized: the parameters below say it all
+    h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
     for name, p in model.named_parameters():
         flat = p.detach().reshape(-1)
         h.update(f"{name}{tuple(p.shape)}".encode())

@@ -1,4 +1,5 @@
-"""The `lynx-hf` command: argument parsing only; each subcommand calls into lynx_hf or lynx_hf.eval."""
+"""The `lynx-hf` command: argument parsing only; each subcommand calls into lynx_hf or lynx_hf.eval (imported by the
+subcommand that needs it, so `lynx-hf --help` starts without torch)."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +9,10 @@ import sys
 
 
 def _codec_quality(a):
-    from lynx_hf.eval import codec_quality, data
+    from lynx_hf.eval import data
+
+    data.require("codec-quality", a.text, needs_text=True)
+    from lynx_hf.eval import codec_quality
 
     lines = []
     emit = (lambda s: None) if a.json else print
@@ -21,6 +25,14 @@ def _codec_quality(a):
 
 
 def _bench(a):
+    if a.what == "transfer" and "shakespeare" in a.prompts:
+        from lynx_hf.eval import data
+
+        data.require("bench transfer --prompts shakespeare", needs_text=True)
+    if a.what == "startup":
+        from lynx_hf.eval import bench_startup
+
+        return bench_startup.run(a.json) and None
     from lynx_hf.eval import bench_codec
 
     if a.what == "codec":
@@ -39,12 +51,18 @@ def _demo(a):
 
 
 def _acceptance(a):
+    from lynx_hf.eval import data
+
+    data.require("acceptance", needs_text=True, needs_mmlu=True)
     from lynx_hf.eval import acceptance
 
     acceptance.run(a.drafts, a.json, a.model)
 
 
 def _results(a):
+    from lynx_hf.eval import data
+
+    data.require("results", needs_mmlu=True)
     from lynx_hf.eval import results
 
     results.run(a.questions, tuple(a.contexts), a.model, a.out, a.residual_after, lynx_config=a.lynx_config,
@@ -52,6 +70,9 @@ def _results(a):
 
 
 def _calibrate(a):
+    from lynx_hf.eval import data
+
+    data.require("calibrate", a.text, needs_text=True)
     from lynx_hf.eval import calibrate
 
     calibrate.run(a.model, a.text, a.budget, a.out, tuple(a.contexts), a.gen, a.json)
@@ -69,34 +90,52 @@ def _simulate(a):
     simulate.run(a.acceptance, a.json)
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["eval"]:  # every lm-eval flag passes through unchanged
-        from lynx_hf.eval import lm_eval_model
+DESCRIPTION = """Lynx: progressive speculative quantization of the KV cache a prefill node ships to a decode node,
+for Hugging Face Transformers. The anchor (4-bit) goes first and the decode node drafts on it; the residual (4-bit)
+follows and one verification pass makes the output exactly that of full-KV decoding."""
+EPILOG = """first steps:
+  lynx-hf demo                        two processes over loopback TCP: BF16 / INT8 / INT4 / Lynx (no data needed)
+  lynx-hf SUBCOMMAND --help           what a subcommand does, its options and their defaults
+  lynx-hf eval --help                 lm-eval with `--model lynx --model_args kv=MODE` and this project's tasks
+data: some subcommands read the shared evaluation data (README, 'Data'); they say so at once when it is missing."""
 
-        return lm_eval_model.cli(argv[1:])
-    p = argparse.ArgumentParser(prog="lynx-hf", description=__doc__)
+
+def _sub(sub, name: str, text: str):
+    """A subcommand whose --help shows `text` and every option's default."""
+    from lynx_hf.transfer.commands import HelpFormatter
+
+    return sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".",
+                          formatter_class=HelpFormatter)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand, its options and their help."""
+    p = argparse.ArgumentParser(prog="lynx-hf", description=DESCRIPTION, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--debug", action="store_true", help="on an error, show its traceback (also: LYNX_DEBUG=1)")
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("eval", help="lm-eval's CLI with the `lynx` model and this project's MMLU-Pro tasks "
-                                "(lynx-hf eval --model lynx --model_args kv=lynx --tasks mmlu_pro_local ...)")
+    _sub(sub, "eval", "lm-eval's CLI with the `lynx` model and this project's MMLU-Pro tasks "
+                      "(lynx-hf eval --model lynx --model_args kv=lynx --tasks mmlu_pro_local ...; "
+                      "`lynx-hf eval --help` for every flag)")
 
-    q = sub.add_parser("codec-quality", help="KV codec quality on real KV of the default model")
+    q = _sub(sub, "codec-quality", "KV codec quality on real KV of the default model")
     q.add_argument("--text", help="text file for the contexts (default: shared tinyshakespeare)")
-    q.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    q.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096], help="context lengths in tokens")
     q.add_argument("--gen", type=int, default=32, help="teacher-forced tokens")
     q.add_argument("--model", help="Hub id or local path (default: embedded SmolLM2-135M-Instruct)")
-    q.add_argument("--no-ablation", action="store_true")
+    q.add_argument("--no-ablation", action="store_true", help="skip the codec ablation (γ, μ/σ, α-law one at a time)")
     q.add_argument("--markdown", help="also write the tables to this file")
     q.add_argument("--json", action="store_true", help="print only the final JSON line")
     q.set_defaults(fn=_codec_quality)
 
-    b = sub.add_parser("bench", help="benchmarks that print numbers and a final JSON line")
-    b.add_argument("what", choices=["codec", "transfer"])
+    b = _sub(sub, "bench", "benchmarks that print numbers and a final JSON line")
+    b.add_argument("what", choices=["codec", "transfer", "startup"],
+                   help="codec: encode/decode throughput; transfer: TTFT/TT32T over the two-process path per link "
+                        "speed; startup: `lynx-hf --help` and the default model's load, each in a fresh process")
     b.add_argument("--tokens", type=int, default=4096, help="codec: headline size, the KV of this many tokens")
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="codec")
     b.add_argument("--max-mb", type=float, default=1200, help="codec: largest tensor of the size sweep")
-    b.add_argument("--reps", type=int, default=5, help="codec")
+    b.add_argument("--reps", type=int, default=5, help="codec: timed repetitions per size (the median is reported)")
     b.add_argument("--links", type=float, nargs="+", default=[50, 200, 1000, 10000], help="transfer: Mbit/s")
     b.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192], help="transfer: prompt tokens")
     b.add_argument("--prompts", nargs="+", default=["code", "shakespeare"],
@@ -104,37 +143,37 @@ def main(argv=None):
     b.add_argument("--new-tokens", type=int, default=32, help="transfer")
     b.add_argument("--out", default="runs/bench_transfer", help="transfer: results folder (resumable JSONL)")
     b.add_argument("--model", help="transfer: Hub id or local path (default: embedded SmolLM2-135M-Instruct)")
-    b.add_argument("--json", action="store_true")
+    b.add_argument("--json", action="store_true", help="print only the final JSON line")
     b.set_defaults(fn=_bench)
 
-    c = sub.add_parser("acceptance", help="accepted anchor-tier drafts, chain versus tree (20 prompts)")
-    c.add_argument("--drafts", type=int, default=31)
-    c.add_argument("--model")
-    c.add_argument("--json", action="store_true")
+    c = _sub(sub, "acceptance", "accepted anchor-tier drafts, chain versus tree (20 prompts)")
+    c.add_argument("--drafts", type=int, default=31, help="draft steps before the residual lands")
+    c.add_argument("--model", help="Hub id or local path (default: embedded SmolLM2-135M-Instruct)")
+    c.add_argument("--json", action="store_true", help="print only the final JSON line")
     c.set_defaults(fn=_acceptance)
 
-    d = sub.add_parser("demo", help="prefill and decode processes over loopback TCP: BF16 / INT8 / INT4 / Lynx")
+    d = _sub(sub, "demo", "prefill and decode processes over loopback TCP: BF16 / INT8 / INT4 / Lynx")
     d.add_argument("--prompt-file", help="any text file (default: Python standard-library source)")
     d.add_argument("--tokens", type=int, default=1024, help="prompt length in tokens")
     d.add_argument("--bandwidth-mbps", type=float, default=15.0, help="link emulator, Mbit/s")
-    d.add_argument("--new-tokens", type=int, default=32)
+    d.add_argument("--new-tokens", type=int, default=32, help="tokens to generate per method")
     d.add_argument("--out", default="runs", help="folder for demo.json and demo_timeline.png")
     d.add_argument("--model", help="Hub id or local path (default: embedded SmolLM2-135M-Instruct)")
     d.add_argument("--json", action="store_true", help="print only the final JSON line")
     d.add_argument("--do-sample", action="store_true", help="sample (temperature 0.7, seeded) instead of greedy")
     d.set_defaults(fn=_demo)
 
-    r = sub.add_parser("results", help="the accuracy table by KV mode (docs/results.md, docs/results.json)")
-    r.add_argument("--questions", type=int, default=500)
+    r = _sub(sub, "results", "the accuracy table by KV mode (docs/results.md, docs/results.json); reads MMLU-Pro (README, Data)")
+    r.add_argument("--questions", type=int, default=500, help="MMLU-Pro questions per context length")
     r.add_argument("--contexts", type=int, nargs="+", default=[512, 1024], help="context lengths in tokens")
     r.add_argument("--model", help="Hub id or local path (default: embedded SmolLM2-135M-Instruct)")
     r.add_argument("--lynx-config", help="folder, file or Hub repo with a lynx_config.json")
     r.add_argument("--residual-after", type=int, default=2, help="Lynx: residual lands after this many draft steps")
-    r.add_argument("--out", default="docs/results.md")
+    r.add_argument("--out", default="docs/results.md", help="the Markdown table (the JSON beside it)")
     r.add_argument("--json", action="store_true", help="print only the final JSON line")
     r.set_defaults(fn=_results)
 
-    k = sub.add_parser("calibrate", help="search the codec's settings for a model; writes lynx_config.json")
+    k = _sub(sub, "calibrate", "search the codec's settings for a model; writes lynx_config.json")
     k.add_argument("--model", help="Hub id or local path (default: embedded SmolLM2-135M-Instruct)")
     k.add_argument("--text", help="calibration text file (default: shared tinyshakespeare)")
     k.add_argument("--budget", type=int, default=24, help="settings to score at most")
@@ -144,7 +183,7 @@ def main(argv=None):
     k.add_argument("--json", action="store_true", help="print only the final JSON line")
     k.set_defaults(fn=_calibrate)
 
-    h = sub.add_parser("card", help="a Hub-ready folder: model card, lynx_config.json, custom_generate/")
+    h = _sub(sub, "card", "a Hub-ready folder: model card, lynx_config.json, custom_generate/")
     h.add_argument("--model", help="base model's Hub id (default: the embedded SmolLM2-135M-Instruct's)")
     h.add_argument("--out", required=True, help="folder to write")
     h.add_argument("--results", default="docs/results.md", help="results of `lynx-hf results` ('' for none)")
@@ -153,7 +192,7 @@ def main(argv=None):
     h.add_argument("--push", metavar="REPO", help="upload the folder to this Hub repo")
     h.set_defaults(fn=_card)
 
-    s = sub.add_parser("simulate", help="analytic TTFT / TT32T model fitted to the paper, then extrapolated")
+    s = _sub(sub, "simulate", "analytic TTFT / TT32T model fitted to the paper, then extrapolated")
     s.add_argument("--acceptance", type=float, default=24.3 / 31,
                    help="fraction of draft steps kept (default: the tree's, lynx-hf acceptance)")
     s.add_argument("--json", action="store_true", help="print only the final JSON line")
@@ -162,6 +201,16 @@ def main(argv=None):
     from lynx_hf.transfer import commands  # serve-prefill, serve-decode
 
     commands.register(sub)
+    return p
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["eval"]:  # every lm-eval flag passes through unchanged
+        from lynx_hf.eval import lm_eval_model
+
+        return lm_eval_model.cli(argv[1:])
+    p = build_parser()
     a = p.parse_args(argv)
     from lynx_hf.errors import LynxError
 

@@ -1,8 +1,9 @@
 """Lynx as a Hub `custom_generate` repository: what its `custom_generate/generate.py` runs.
 
 `model.generate(ids, custom_generate="org/repo" or a local folder, trust_remote_code=True, ...)` loads that file,
-which `lynx-hf card` writes as a shim around `hub_generate` with the repo's codec settings inlined (Transformers
-copies the file into its module cache, so it cannot find a sibling lynx_config.json by path). A string
+which `lynx-hf card` writes as a shim around `hub_generate` with the repo's codec settings inlined, beside a flat copy
+of this runtime (hub_folder.py; Transformers copies the files into its module cache, so they cannot find a sibling
+lynx_config.json by path). A string
 `custom_generate` receives every `generate()` argument unprepared — None for what the caller left unset — unlike a
 callable, which gets only its extra parameters. `hub_generate` keeps what carries a value, refuses what Lynx cannot
 honour, prefills locally into a LynxCache unless the caller passed one, and hands over to `speculative_generate`."""
@@ -14,25 +15,6 @@ from .engine import speculative_generate
 
 # generate() arguments that Lynx's decoding loop cannot honour
 _UNSUPPORTED = ("assistant_model", "prefix_allowed_tokens_fn", "negative_prompt_ids", "negative_prompt_attention_mask")
-
-SHIM = '''"""Lynx: progressive speculative KV quantization, as a Transformers custom_generate (written by `lynx-hf card`).
-
-    model.generate(input_ids, custom_generate=THIS_REPO, trust_remote_code=True, max_new_tokens=64)
-
-decodes exactly as plain `generate` on the Lynx full tier: drafts on the 4-bit anchor of the prompt's KV while the
-residual is pending (here: after {residual_after} draft steps, a local stand-in for the transfer), then verifies.
-Pass cache=LynxCache(...) to decode a KV transferred from a prefill node instead."""
-from lynx_hf.hub import hub_generate
-
-LYNX_CONFIG = {config}
-RESIDUAL_AFTER_STEPS = {residual_after}
-
-
-def generate(model, *args, **kwargs):
-    kwargs.setdefault("residual_after_steps", RESIDUAL_AFTER_STEPS)
-    return hub_generate(model, LYNX_CONFIG, *args, **kwargs)
-'''
-
 
 def hub_generate(model, lynx_config: dict, inputs=None, residual_after_steps: int | None = None,
                  residual_after_tokens: int | None = None, **kwargs):
@@ -70,17 +52,3 @@ def hub_generate(model, lynx_config: dict, inputs=None, residual_after_steps: in
     elif not isinstance(cache, LynxCache):
         raise ValueError(f"Lynx custom_generate needs cache=LynxCache(...) or none, got {type(cache).__name__}")
     return model.generate(ids, cache=cache, custom_generate=speculative_generate, **kw)
-
-
-def write_custom_generate(folder, lynx_config: LynxQuantConfig, residual_after_steps: int = 8) -> None:
-    """Write `custom_generate/generate.py` and `custom_generate/requirements.txt` into a repo folder."""
-    import os
-
-    from . import __version__
-
-    d = os.path.join(folder, "custom_generate")
-    os.makedirs(d, exist_ok=True)
-    with open(os.path.join(d, "generate.py"), "w") as f:
-        f.write(SHIM.format(config=repr(lynx_config.to_dict()), residual_after=int(residual_after_steps)))
-    with open(os.path.join(d, "requirements.txt"), "w") as f:
-        f.write(f"lynx-hf>={__version__}\n")

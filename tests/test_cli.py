@@ -1,5 +1,6 @@
 """The `lynx-hf` entry points end to end, at small sizes, and model loading from a local path."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +32,8 @@ def test_codec_quality_json():
 def test_demo_two_processes(tmp_path):
     r = _run("demo", "--json", "--tokens", "128", "--new-tokens", "6", "--bandwidth-mbps", "50", "--out", str(tmp_path))
     assert r["lynx"]["identical_to_full"] is True
-    assert set(r["methods"]) == {"BF16", "INT8", "INT4 (KIVI-4)", "Lynx"}
+    assert set(r["methods"]) == {"BF16", "INT8", "INT4 (KIVI-4)", "Lynx", "Lynx (no drafts: full-tier reference)"}
+    assert isinstance(r["prefill_bound"], bool)
     assert r["methods"]["BF16"]["bytes"] > r["methods"]["INT8"]["bytes"] > r["methods"]["INT4 (KIVI-4)"]["bytes"]
     assert (tmp_path / "demo.json").exists() and (tmp_path / "demo_timeline.png").stat().st_size > 10_000
 
@@ -79,7 +81,10 @@ def test_bench_transfer_sweep_resumes(tmp_path):
         "lynx_beats_int8_below_mbps", "drafting_pays_below_mbps", "lynx_ttft_beats_int8_below_mbps"}
     by = {(x["link_mbps"], x["method"]): x for x in map(json.loads, lines)}
     assert by[(50, "BF16")]["bytes"] > by[(50, "INT8")]["bytes"] > by[(50, "INT4 (KIVI-4)")]["bytes"]
-    assert by[(50, "BF16")]["ttft_s"] > by[(10000, "BF16")]["ttft_s"]  # 2.2 MB at 50 Mbit/s: ≥ 0.35 s on the wire
+    for (mbps, method), x in by.items():  # what the emulated link guarantees, under any load: a baseline's first
+        assert x["bytes"] == by[(50, method)]["bytes"]  # token waits for all of its KV, which the link paces
+        if not method.startswith("Lynx"):
+            assert x["ttft_s"] >= x["bytes"] * 8 / (mbps * 1e6), (mbps, method, x)
     assert _run(*args) == r  # resumed: nothing recomputed, the same summary
     assert len((tmp_path / "bench_transfer.jsonl").read_text().splitlines()) == 10
 
@@ -91,3 +96,34 @@ def test_crossover_rule():
     assert _crossover([(50, 0.7), (200, 0.9)]) == float("inf")
     assert _crossover([(50, 0.96), (200, 1.2)]) is None
     assert _crossover([(50, 1.0), (200, 0.9)]) is None  # a lead only at fast links is not a crossover
+
+
+def test_the_gguf_conversion_is_cached_once_when_loaders_race(tmp_path, monkeypatch):
+    """Three loaders racing on an empty cache each finish with the same model, one cache folder is left, no
+    half-written one; a later load reads it (the cached weights equal the GGUF file's)."""
+    import threading
+
+    from lynx_hf import model as M
+    from lynx_hf.arch import fingerprint
+
+    monkeypatch.setenv("LYNX_CACHE", str(tmp_path))
+    got, errors = [], []
+
+    def load():
+        try:
+            got.append(M.converted_gguf(M.default_model_dir(), M.DEFAULT_GGUF))
+        except Exception as e:  # noqa: BLE001 — reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=load) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert not errors and len(set(got)) == 1
+    assert os.listdir(M.cache_root()) == [os.path.basename(got[0])]
+    cached, _ = lynx_hf.load_default_model()
+    from transformers import AutoModelForCausalLM
+
+    direct = AutoModelForCausalLM.from_pretrained(M.default_model_dir(), gguf_file=M.DEFAULT_GGUF)
+    assert cached.config._name_or_path == got[0] and fingerprint(cached) == fingerprint(direct)

@@ -1,8 +1,12 @@
 """Lossless speculative generation inside model.generate, on the real default model (greedy and every deterministic
 option, token for token) and on a tiny random MHA model (sampling, first token included, statistically)."""
+import io
+import os
+
 import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers.generation.streamers import BaseStreamer
 
 import lynx_hf
 from lynx_hf import LynxCache, LynxQuantConfig as Q, SpecConfig
@@ -85,17 +89,6 @@ def test_streamers_see_every_generated_token(model_and_tok, shakespeare_ids):
     kinds = [e[0] for e in s.events]
     assert kinds.count("provisional") == 5 and "retract" in kinds and kinds[-1] == "end"
     # a standard Transformers streamer gets the prompt, then exactly the generated tokens
-    from transformers.generation.streamers import BaseStreamer
-
-    class Collect(BaseStreamer):
-        def __init__(self):
-            self.puts = []
-
-        def put(self, v):
-            self.puts.append(v.reshape(-1).tolist())
-
-        def end(self):
-            self.puts.append("end")
 
     c = Collect()
     cache, _ = LynxCache.from_prefill(model, ids, residual_after_steps=3)
@@ -222,3 +215,97 @@ def test_tree_drafts_are_kept_where_the_chain_loses_them(model_and_tok, eval_pro
         assert outs["chain"] == outs["tree"]
     print(accepted)
     assert sum(accepted["tree"]) >= max(sum(accepted["chain"]), 0.8 * 31 * 4), accepted
+
+
+class Collect(BaseStreamer):
+    """A plain Transformers streamer that records what it is given."""
+
+    def __init__(self):
+        self.puts = []
+
+    def put(self, v):
+        self.puts.append(v.reshape(-1).tolist())
+
+    def end(self):
+        self.puts.append("end")
+
+
+class _Letters:
+    """A tokenizer stand-in: token i is three letters a + i % 26, a space after every third token."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) * 3 + (" " if i % 3 == 0 else "") for i in ids)
+
+
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def _screen(raw: str, width: int) -> list[str]:
+    """What a terminal `width` columns wide shows after `raw` (text, \\b, \\033[K, SGR codes; lines wrap)."""
+    rows, r, c = [[]], 0, 0
+    i = 0
+    while i < len(raw):
+        if raw.startswith("\033[K", i):
+            del rows[r][c:]
+            i += 3
+            continue
+        if raw.startswith("\033[", i):
+            i = raw.index("m", i) + 1
+            continue
+        ch = raw[i]
+        i += 1
+        if ch == "\b":
+            c = max(0, c - 1)
+        elif ch == "\n":
+            rows.append([])
+            r, c = r + 1, 0
+        else:
+            if c == width:
+                rows.append([])
+                r, c = r + 1, 0
+            rows[r][c:c + 1] = [ch]
+            c += 1
+    return ["".join(x) for x in rows]
+
+
+@pytest.mark.parametrize("tty", [False, True])
+def test_speculative_streamer_prints_each_verified_token_once(monkeypatch, tty):
+    """48 tokens, drafts retracted and kept along the way, in an 80-column terminal: the screen holds the text once
+    (before: a redraw with \\r cleared one screen line only, so a wrapped line left a copy per redraw); to a file or a
+    pipe, the verified text and no escape sequence."""
+    import shutil
+
+    monkeypatch.setattr(shutil, "get_terminal_size", lambda fallback=None: os.terminal_size((80, 24)))
+    out = _Tty() if tty else io.StringIO()
+    s = lynx_hf.SpeculativeStreamer(_Letters(), file=out)
+    s.put(torch.tensor([[1, 2, 3]]))  # the prompt: skipped
+    toks = list(range(1, 300, 6))[:48]
+    for k in range(0, 48, 4):
+        s.put_provisional(torch.tensor(toks[k:k + 4] + [5, 5]))
+        s.resolve_provisional(4)
+        s.put(torch.tensor(toks[k:k + 4]))
+    s.end()
+    want = _Letters().decode(toks)
+    if not tty:
+        assert out.getvalue() == want + "\n"
+        return
+    assert "\r" not in out.getvalue()
+    screen = _screen(out.getvalue(), 80)
+    assert "".join(screen[:-1]) == want and screen[-1] == ""
+
+
+def test_a_streamer_given_to_generate_is_named_in_a_warning(tiny):
+    """transformers 5.x keeps `streamer=` from a callable custom_generate (it prints the prompt, then nothing); Lynx
+    says so and names lynx_streamer= (before: silence)."""
+    ids = torch.randint(3, 96, (1, 24), generator=torch.Generator().manual_seed(0))
+    cache, _ = LynxCache.from_prefill(tiny, ids, residual_after_steps=2)
+    rec = Collect()
+    with pytest.warns(UserWarning, match="pass the streamer as lynx_streamer="):
+        tiny.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate, max_new_tokens=4, streamer=rec)
+    assert rec.puts == [ids[0].tolist()]  # the prompt only: what the warning explains
+    cache, _ = LynxCache.from_prefill(tiny, ids, residual_after_steps=2)
+    rec = Collect()
+    tiny.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate, max_new_tokens=4, lynx_streamer=rec)
+    assert rec.puts[0] == ids[0].tolist() and sum(map(len, rec.puts[1:-1])) == 4 and rec.puts[-1] == "end"

@@ -103,12 +103,11 @@ ANSWER_LEAD = "Answer: The answer is ("
 
 @functools.cache
 def _tokenizer(name: str | None):
-    if name is None:
-        from transformers import AutoTokenizer
+    """The tokenizer of a Hub id or folder; None or the embedded model's name: the embedded model's (cached)."""
+    from lynx_hf.model import EMBEDDED, default_tokenizer
 
-        from lynx_hf.model import DEFAULT_GGUF, default_model_dir
-
-        return AutoTokenizer.from_pretrained(default_model_dir(), gguf_file=DEFAULT_GGUF)
+    if name in (None, EMBEDDED):
+        return default_tokenizer()
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(name)

@@ -12,13 +12,28 @@ full-tier KV (greedy and every deterministic option), or follow its distribution
 budget, the policy, stopping, streaming and telemetry; the drafters own their passes and their acceptance."""
 from __future__ import annotations
 
+import sys
 import time
+import warnings
 
 from ..cache import LynxCache
 from .drafters import ChainDrafter, TreeDrafter
 from .policy import DraftPolicy
 from .state import DecodeState
 from .support import drafting, refuse_model, refuse_options, warn_narrowed
+
+
+def _callers_streamer():
+    """The `streamer=` the caller gave Transformers' generate (which keeps it from a callable custom_generate), found
+    in generate's frame; None if there was none or the frame is not found."""
+    f = sys._getframe(2)
+    for _ in range(12):
+        if f is None:
+            return None
+        if f.f_code.co_name == "generate" and f.f_globals.get("__name__") == "transformers.generation.utils":
+            return f.f_locals.get("streamer")
+        f = f.f_back
+    return None
 
 
 def speculative_generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
@@ -52,6 +67,10 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
                          "hand a callable custom_generate its tokenizer. Pass stopping_criteria=[transformers."
                          "StopStringCriteria(tokenizer, stop_strings)] instead (the same stopping points)")
     refuse_options(gc, token_healing=bool(token_healing))
+    if lynx_streamer is None and streamer is None and _callers_streamer() is not None:
+        warnings.warn("generate(streamer=...) does not reach custom_generate=speculative_generate (Transformers "
+                      "hands a callable only its own extra parameters; the streamer got the prompt and nothing "
+                      "more): pass the streamer as lynx_streamer=", UserWarning, stacklevel=3)
     P, n_in = cache.prompt_len, input_ids.shape[1]
     if n_in not in (P, P + 1):
         raise ValueError(f"input_ids must be the {P} prompt tokens whose KV the cache holds (optionally followed by "

@@ -40,9 +40,12 @@ def current() -> str:
 def _c_kernels() -> lynx.Kernels | None:
     if _state["c_broken"]:
         return None
-    from lynx_hf.kernels import cpu
+    try:
+        from lynx_hf.kernels import cpu
 
-    ok, why = cpu.available()
+        ok, why = cpu.available()
+    except ImportError as e:  # a copy of the runtime without the kernels (the Hub folder)
+        ok, why = False, str(e)
     if not ok:
         _state["c_broken"] = True
         warnings.warn(f"the Lynx C kernels are unavailable ({why}); using torch on the CPU")
@@ -88,8 +91,10 @@ def prepare(device) -> str:
 def kernels(device: torch.device, numel: int = 0, path: str | None = None) -> lynx.Kernels:
     """The four ops for a tensor of `numel` elements on `device` (CPU: by `path`, default the selected one)."""
     if device.type == "cuda":
-        from lynx_hf.kernels import decode_codes_triton, encode_codes_triton
-
+        try:
+            from lynx_hf.kernels import decode_codes_triton, encode_codes_triton
+        except ImportError:  # no Triton here, or the Hub folder (no kernels): the torch twin on the GPU
+            return lynx.REFERENCE
         return dataclasses.replace(lynx.REFERENCE, encode_codes=encode_codes_triton, decode_codes=decode_codes_triton)
     path = path or _state["path"]
     if path in ("auto", "c"):

@@ -14,6 +14,16 @@ SECRET_FILE_HELP = "read the shared secret from this file's first line (or set $
 MODEL_HELP = "Hub id or local path (default: embedded SmolLM2-135M-Instruct)"
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default, unless its help states one or there is none to state."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        if "default" in h or action.default in (None, False, argparse.SUPPRESS):
+            return h
+        return super()._get_help_string(action)
+
+
 def _hostport(s: str):
     host, _, port = s.rpartition(":")
     if not host or not port.isdigit():
@@ -147,7 +157,7 @@ def register(sub) -> None:
     from ..config import METHODS
 
     p = sub.add_parser("serve-prefill", help="the prefill process: computes KV and streams anchor, then residual",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       formatter_class=HelpFormatter,
                        description="Serve decode peers: authenticate each (shared secret), prefill its prompts and "
                                    "stream their KV, anchor first. Bounds: docs/wire-format.md, 'Threat model'.")
     p.add_argument("--listen", default="127.0.0.1:7480", help="HOST:PORT (binds loopback unless told otherwise)")
@@ -173,7 +183,7 @@ def register(sub) -> None:
     p.set_defaults(fn=_serve_prefill)
 
     q = sub.add_parser("serve-decode", help="the decode process: sends prompts, drafts, verifies, prints JSON lines",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       formatter_class=HelpFormatter,
                        description="Send each prompt (--prompt, --prompt-file, or one per line of stdin) to a "
                                    "serve-prefill and print one JSON line per prompt: the result or {\"error\": ...}.")
     q.add_argument("--prefill", required=True, help="HOST:PORT of serve-prefill")
