@@ -143,11 +143,34 @@ def _our_tasks() -> list[str]:
     return sorted(f[:-5] for f in os.listdir(d) if f.endswith(".yaml"))
 
 
+def _with_tokenizer(argv: list[str]) -> list[str]:
+    """Tasks that build their prompts with a tokenizer named in the model args or --metadata (RULER's) get the
+    embedded model's, as a folder (the converted GGUF copy), unless --metadata names one."""
+    import json
+
+    from lynx_hf.model import DEFAULT_GGUF, converted_gguf, default_model_dir
+
+    i = argv.index("--metadata") + 1 if "--metadata" in argv[:-1] else None
+    try:
+        meta = json.loads(argv[i]) if i is not None else {}
+    except json.JSONDecodeError:
+        return argv  # lm-eval reports its own error on it
+    if not isinstance(meta, dict) or "tokenizer" in meta:
+        return argv
+    try:
+        meta["tokenizer"] = converted_gguf(default_model_dir(), DEFAULT_GGUF)
+    except (OSError, RuntimeError):
+        return argv
+    meta = json.dumps(meta)
+    return argv[:i] + [meta] + argv[i + 1:] if i is not None else argv + ["--metadata", meta]
+
+
 def cli(argv: list[str]) -> None:
     """`lynx-hf eval ARGS`: lm-eval's own CLI (every flag unchanged) with the `lynx` model registered and this
     project's task folder indexed next to lm-eval's own tasks and any --include_path. Without --device, the device
     that runs (cuda if available, else cpu) is what lm-eval records; for `--model lynx` without `pretrained=`, the
-    results carry the embedded model's name (lm-eval names its output folder after it)."""
+    results carry the embedded model's name (lm-eval names its output folder after it) and tasks that need a
+    tokenizer by name (RULER) get the embedded model's tokenizer folder through --metadata."""
     import sys
 
     if {"-h", "--help"} & set(argv):
@@ -172,6 +195,7 @@ def cli(argv: list[str]) -> None:
             if not any(f"{k}=" in margs for k in ("pretrained", "model", "path")):
                 margs = ",".join(x for x in (margs, f"pretrained={EMBEDDED}") if x)
                 argv = argv[:i] + [margs] + argv[i + 1:] if i is not None else argv + ["--model_args", margs]
+                argv = _with_tokenizer(argv)
 
     from lm_eval import __main__ as lm_main
     from lm_eval.tasks import TaskManager

@@ -2,6 +2,7 @@
 before any model loads (one line with the way out), `lynx-hf eval` naming the model and device it records, and
 `lynx-hf card` from any directory."""
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -73,6 +74,7 @@ def test_eval_refuses_tasks_list_and_missing_mmlu_pro_data_at_once(monkeypatch, 
         lm_eval_model.cli(["--model", "lynx", "--tasks", "mmlu_pro_local", "--limit", "2"])
 
 
+@pytest.mark.slow  # converts the embedded GGUF model once, if its cache is cold
 def test_eval_records_the_models_name_and_the_device_that_runs(monkeypatch):
     """lm-eval names its output folder after `pretrained=` (else a random id) and records --device (else cuda:0)."""
     from lm_eval import __main__ as lm_main
@@ -85,6 +87,8 @@ def test_eval_records_the_models_name_and_the_device_that_runs(monkeypatch):
     argv = seen["argv"]
     assert argv[argv.index("--model_args") + 1] == f"kv=int8,pretrained={EMBEDDED}"
     assert argv[argv.index("--device") + 1] in ("cpu", "cuda")
+    assert os.path.isfile(os.path.join(json.loads(argv[argv.index("--metadata") + 1])["tokenizer"],
+                                       "tokenizer.json"))  # what RULER sizes its prompts with
     seen.clear()
     lm_eval_model.cli(["--model", "lynx", "--model_args", "pretrained=org/name", "--device", "cpu", "--tasks", "x"])
     assert seen["argv"].count("--device") == 1 and "pretrained=org/name" in seen["argv"]

@@ -42,10 +42,10 @@ def _c_kernels() -> lynx.Kernels | None:
         return None
     try:
         from lynx_hf.kernels import cpu
-
-        ok, why = cpu.available()
-    except ImportError as e:  # a copy of the runtime without the kernels (the Hub folder)
-        ok, why = False, str(e)
+    except ImportError:  # a copy of the runtime without the kernels (the Hub folder): the torch twin, same codes
+        _state["c_broken"] = True
+        return None
+    ok, why = cpu.available()
     if not ok:
         _state["c_broken"] = True
         warnings.warn(f"the Lynx C kernels are unavailable ({why}); using torch on the CPU")
