@@ -40,12 +40,9 @@ def generate(model, *args, **kwargs):
 
 
 def _source(module: str) -> tuple[str, bool] | None:
-    """(file, is_package) of a module of this package, found without importing it."""
-    spec = importlib.util.find_spec(module.rsplit(".", 1)[0]) if "." in module else None
-    parent = list(spec.submodule_search_locations) if spec and spec.submodule_search_locations else None
-    if module == "lynx_hf":
-        parent = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-    for d in parent or []:
+    """(file, is_package) of a module of this package, found without importing it (its parent package is)."""
+    spec = importlib.util.find_spec(module.rsplit(".", 1)[0])
+    for d in (spec.submodule_search_locations or []) if spec else []:
         name = module.rsplit(".", 1)[-1]
         if os.path.isfile(os.path.join(d, name, "__init__.py")):
             return os.path.join(d, name, "__init__.py"), True

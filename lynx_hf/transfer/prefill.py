@@ -68,11 +68,7 @@ class ComputeQueue:
                         self._busy = True
                         break
                     self._cv.wait(every)
-                    if not self._busy and self._waiting[0] == entry:
-                        heapq.heappop(self._waiting)
-                        self._busy = True
-                        break
-                if poll is not None:
+                if poll is not None:  # outside the lock: it may write to the connection
                     poll()
         except BaseException:
             with self._cv:
