@@ -75,9 +75,9 @@ class Flood:
         while not self._stop.wait(self.sweep_s):
             for i, s in enumerate(self.socks):
                 r, _, _ = select.select([s], [], [], 0)
-                if r:
+                if r:  # the server's HELLO, or the end of the stream
                     try:
-                        gone = s.recv(65536, socket.MSG_PEEK) == b"" or self._drain(s)
+                        gone = s.recv(65536) == b""
                     except OSError:
                         gone = True
                     if gone:
@@ -90,11 +90,6 @@ class Flood:
 
     def _open(self):
         return socket.create_connection(self.address, timeout=5, source_address=self.source)
-
-    @staticmethod
-    def _drain(s) -> bool:
-        s.recv(65536)  # the server's HELLO (or a refusal); closed only when recv returns b""
-        return False
 
     def close(self):
         self._stop.set()

@@ -43,6 +43,11 @@ class _Pending:
     evicted: bool = False
 
 
+def _victim(pool: list[_Pending]) -> _Pending | None:
+    """Whom to drop first: the oldest connection that has not sent its HELLO, else the oldest."""
+    return min(pool, key=lambda p: (p.spoke, p.since), default=None)
+
+
 class _RateLimitedLog:
     """At most one line per `every` seconds for events a flood could repeat, with a count of those not shown."""
 
@@ -153,8 +158,7 @@ class PrefillServer:
 
     def _evict_oldest(self, host: str | None = None) -> None:
         with self._lock:
-            pool = [p for p in self._pending if not p.evicted and (host is None or p.host == host)]
-            victim = min(pool, key=lambda p: (p.spoke, p.since), default=None)
+            victim = _victim([p for p in self._pending if not p.evicted and (host is None or p.host == host)])
         if victim is not None:
             self._evict(victim)
 
@@ -164,7 +168,7 @@ class PrefillServer:
             live = [p for p in self._pending if not p.evicted]
             same = [p for p in live if p.host == pend.host]
             over = same if len(same) >= self.max_preauth_per_host else live if len(live) >= self.max_preauth else []
-            victim = min(over, key=lambda p: (p.spoke, p.since), default=None)
+            victim = _victim(over)
             self._pending.append(pend)
         if victim is not None:
             self._preauth_log.warning("pre-authentication budget full: dropping %s (unauthenticated for %.1f s)",
