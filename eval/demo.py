@@ -1,7 +1,8 @@
 """`lynx-hf demo`: a prefill process and a decode process on loopback, KV over TCP behind the link emulator.
 
 This process is the decode side; it starts `lynx-hf serve-prefill` as a child process, then sends the same prompt
-with BF16, INT8, INT4 (KIVI-4) and Lynx, and a Lynx run with drafting off (the full-tier reference). TTFT is measured
+with BF16, INT8, INT4 (KIVI-4), CacheGen and Lynx, and a Lynx run with drafting off (the full-tier reference). CacheGen's
+encoding runs on the prefill side and its decoding on the decode side, both inside its TTFT. TTFT is measured
 from sending the request (its arrival at the prefill process, on loopback) to the first token the decode process
 emits: the prefill's logits (sent right after the last anchor frame) picked through the decode side's options, so it
 is verified at once; TT32T to 32 verified tokens. Prints a table, writes JSON + a PNG timeline, and ends with one
@@ -27,7 +28,8 @@ from lynx_hf import LynxQuantConfig
 from lynx_hf.transfer.decode import DecodeClient
 
 METHODS = {"BF16": LynxQuantConfig(method="bf16"), "INT8": LynxQuantConfig(method="int8"),
-           "INT4 (KIVI-4)": LynxQuantConfig(method="kivi4"), "Lynx": LynxQuantConfig()}
+           "INT4 (KIVI-4)": LynxQuantConfig(method="kivi4"), "CacheGen": LynxQuantConfig(method="cachegen"),
+           "Lynx": LynxQuantConfig()}
 
 
 def default_prompt_text() -> str:
@@ -135,7 +137,8 @@ def plot_timeline(runs: dict, path: Path, bandwidth_bps: float, prompt_tokens: i
 
 
 def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_json=False, out_dir="runs",
-        model_name=None, do_sample=False):
+        model_name=None, do_sample=False, methods=None):
+    """methods: {row name: LynxQuantConfig} (default METHODS; it must hold "BF16", "INT8", "INT4 (KIVI-4)", "Lynx")."""
     say = (lambda *a: print(*a, file=sys.stderr)) if as_json else print  # --json: stdout holds the JSON line only
     model, tok = lynx_hf.load_default_model(model_name)
     text = open(prompt_file, encoding="utf-8", errors="replace").read() if prompt_file else default_prompt_text()
@@ -143,7 +146,9 @@ def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_jso
     say(f"starting the prefill process (link emulator {bandwidth_bps / 1e6:.1f} Mbit/s) ...")
     runs = {}
     with prefill_child(model, bandwidth_bps, ids[:64], model_name) as cli:
-        plan = [(n, c, True) for n, c in METHODS.items()] + [("Lynx (no drafts: full-tier reference)", METHODS["Lynx"], False)]
+        methods = methods or METHODS
+        plan = [(n, c, True) for n, c in methods.items()] + [
+            ("Lynx (no drafts: full-tier reference)", methods["Lynx"], False)]
         gen = {"do_sample": True, "temperature": 0.7} if do_sample else {}
         for name, cfg, spec in tqdm(plan, desc="methods", file=sys.stderr):
             torch.manual_seed(0)

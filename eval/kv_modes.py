@@ -4,6 +4,7 @@
     int8    uniform 8-bit per token
     int4    KIVI-4 (keys per channel, values per token, groups of 64): the paper's INT4 row
     kivi2   KIVI-2
+    cachegen  CacheGen (per-token quantization, more bins in early layers, arithmetic-coded; the paper's fifth row)
     anchor  Lynx's 4-bit anchor alone, never verified (what drafting sees; an ablation)
     lynx    Lynx: drafts on the anchor, verified against the full tier, so outputs equal the full tier's
     identity  the KV untouched (the reference the others are measured against)
@@ -22,8 +23,9 @@ from lynx_hf import LynxCache, LynxQuantConfig, SpecConfig
 from lynx_hf.errors import ConfigError
 from lynx_hf.local import prefill
 
-MODES = ("bf16", "int8", "int4", "kivi2", "anchor", "lynx", "identity")
-_BASELINE = {"bf16": "bf16", "int8": "int8", "int4": "kivi4", "kivi2": "kivi2", "identity": "identity"}
+MODES = ("bf16", "int8", "int4", "kivi2", "cachegen", "anchor", "lynx", "identity")
+_BASELINE = {"bf16": "bf16", "int8": "int8", "int4": "kivi4", "kivi2": "kivi2", "cachegen": "cachegen",
+             "identity": "identity"}
 
 
 def mode_config(mode: str, lynx_config: LynxQuantConfig | None = None) -> tuple[LynxQuantConfig, str]:

@@ -47,8 +47,9 @@ def _teacher_forced(model, K, V, cont) -> torch.Tensor:
 def score(model, probe: Probe, config, tier: str) -> dict:
     """KL(ref ‖ codec), greedy agreement and accepted prefix over the continuation; bits/value and K/V errors."""
     K, V, nbytes, numel, ek, ev = [], [], 0, 0, 0.0, 0.0
-    for k, v in zip(probe.keys, probe.values):
-        sk, sv = quant.encode(k, config, "key"), quant.encode(v, config, "value")
+    for i, (k, v) in enumerate(zip(probe.keys, probe.values)):
+        where = (i, len(probe.keys))
+        sk, sv = quant.encode(k, config, "key", layer=where), quant.encode(v, config, "value", layer=where)
         dk, dv = quant.decode(sk, tier), quant.decode(sv, tier)
         K.append(dk), V.append(dv)
         nbytes += sk.nbytes(tier) + sv.nbytes(tier)

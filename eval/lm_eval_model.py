@@ -5,7 +5,7 @@
 Model args (besides HFLM's own: batch_size, max_length, ...):
     pretrained       Hub id or local folder (default: the embedded SmolLM2-135M-Instruct, named
                      "embedded/SmolLM2-135M-Instruct" in the results); gguf_file for GGUF
-    kv               bf16 | int8 | int4 | kivi2 | anchor | lynx | identity (eval/kv_modes.py), default lynx
+    kv               bf16 | int8 | int4 | kivi2 | cachegen | anchor | lynx | identity (eval/kv_modes.py), default lynx
     lynx_config      folder, file or Hub repo with a lynx_config.json (LynxQuantConfig.from_pretrained)
     residual_after   "lynx": the residual lands after this many draft steps (default 8), or
     bandwidth_mbps   "lynx": anchor then residual stream over a simulated link of this speed
@@ -36,6 +36,7 @@ from lynx_hf.errors import ConfigError
 from lynx_hf.transfer.decode import DTYPES  # dtype name → torch dtype, as on the wire
 
 from .kv_modes import MODES, continuation_logprobs, mode_config, transferred_cache
+from .ruler import OFFLINE
 
 
 
@@ -208,4 +209,31 @@ def cli(argv: list[str]) -> None:
         __init__._lynx = True
         TaskManager.__init__ = __init__
     sys.argv = ["lynx-hf eval", *argv]
-    lm_main.cli_evaluate()
+    online = [t for t in tasks if t in DOWNLOADS]
+    if not online:
+        return lm_main.cli_evaluate()
+    try:
+        lm_main.cli_evaluate()
+    except Exception as e:  # noqa: BLE001 — narrowed below: only a failed download becomes the one-line message
+        if not _is_download_error(e):
+            raise
+        raise SystemExit(f"lynx-hf eval: {', '.join(online)} fetch{'es' if len(online) == 1 else ''} data from the "
+                         f"internet (RULER's Paul Graham essays, SQuAD or HotpotQA) and the download failed "
+                         f"({type(e).__name__}: {str(e)[:160]}). Tasks that build their data offline: "
+                         f"{', '.join(OFFLINE)}") from None
+
+
+# RULER tasks whose haystack or questions come from the internet; the others build their data here
+DOWNLOADS = {"ruler", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multiquery", "niah_multivalue",
+             "ruler_qa_squad", "ruler_qa_hotpot"}
+
+
+def _is_download_error(e: BaseException) -> bool:
+    """Whether e (or what caused it) is a network failure: httpx's, requests', socket's, or the Hub's offline mode."""
+    while e is not None:
+        mod = type(e).__module__ or ""
+        if mod.startswith(("httpx", "httpcore", "requests", "urllib3", "huggingface_hub", "aiohttp")) or \
+                isinstance(e, (ConnectionError, TimeoutError)) or "offline" in str(e).lower():
+            return True
+        e = e.__cause__ or e.__context__
+    return False

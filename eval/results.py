@@ -1,6 +1,11 @@
-"""`lynx-hf results`: the accuracy table of docs/results.md (and docs/results.json, which `lynx-hf card` reads).
+"""`lynx-hf results`: the paper's table and the accuracy tables of docs/results.md (and docs/results.json, which
+`lynx-hf card` reads), in one invocation.
 
-Protocol, per question of `mmlu_pro_longctx` (data read with `datasets` through the task's own loader) and per context
+The paper's table (top of the file), one row per KV mode: bits/value and MB on the wire, TTFT and TT32T in the
+two-process demo (eval/demo.py) at a stated link, RULER accuracy (eval/ruler.py: lm-eval's own needle tasks), and
+MMLU-Pro agreement with BF16 and KL (below). Every part resumes from its partial file.
+
+MMLU-Pro protocol, per question of `mmlu_pro_longctx` (data read with `datasets` through the task's own loader) and per context
 length: the prefill node runs the prompt but its last token in full precision; each KV mode moves that KV into a
 LynxCache; the decode node feeds the last token ("(") and predicts the option letter, the argmax of the letters'
 logits. "lynx" decodes with `speculative_generate` (residual after `residual_after` draft steps: drafts on the
@@ -11,8 +16,10 @@ Lynx's letter and its first `new_tokens` greedy tokens equal plain greedy decodi
 question, and fails otherwise."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -26,9 +33,11 @@ from lynx_hf.local import prefill
 from .kv_modes import mode_config, transferred_cache
 from .tasks import lynx_mmlu_pro as mp
 
-ROWS = ("bf16", "int8", "int4", "kivi2", "anchor", "lynx")
-LABELS = {"bf16": "BF16", "int8": "INT8", "int4": "INT4 (KIVI-4)", "kivi2": "KIVI-2", "anchor": "Lynx anchor only",
-          "lynx": "Lynx"}
+ROWS = ("bf16", "int8", "int4", "kivi2", "cachegen", "anchor", "lynx")
+LABELS = {"bf16": "BF16", "int8": "INT8", "int4": "INT4 (KIVI-4)", "kivi2": "KIVI-2", "cachegen": "CacheGen",
+          "anchor": "Lynx anchor only", "lynx": "Lynx"}
+DEMO = {"bf16": "BF16", "int8": "INT8", "int4": "INT4 (KIVI-4)", "kivi2": "KIVI-2", "cachegen": "CacheGen",
+        "lynx": "Lynx"}  # demo row names; the anchor alone is never a decode node's answer (Lynx drafts on it)
 METRIC = str(Path(__file__).resolve().parent / "metrics" / "accuracy_ci")
 
 
@@ -38,9 +47,9 @@ def _bits(kv, mode: str, lynx_config) -> float:
 
     cfg, tier = mode_config(mode, lynx_config)
     nbytes = numel = 0
-    for k, v in kv:
+    for i, (k, v) in enumerate(kv):
         for x, kind in ((k, "key"), (v, "value")):
-            nbytes += quant.encode(x, cfg, kind).nbytes(tier)
+            nbytes += quant.encode(x, cfg, kind, layer=(i, len(kv))).nbytes(tier)
             numel += x.numel()
     return 8 * nbytes / numel
 
@@ -69,7 +78,9 @@ def _metric():
 
 
 def run(questions: int = 500, contexts=(512, 1024), model_name: str | None = None, out: str = "docs/results.md",
-        residual_after: int = 2, new_tokens: int = 4, lynx_config: str | None = None, as_json: bool = False) -> dict:
+        residual_after: int = 2, new_tokens: int = 4, lynx_config: str | None = None, as_json: bool = False,
+        ruler_samples: int = 50, ruler_cells=None, demo: bool = True, bandwidth_mbps: float = 15.0,
+        demo_tokens: int = 1024) -> dict:
     from transformers.utils import logging
 
     logging.set_verbosity_error()
@@ -110,11 +121,28 @@ def run(questions: int = 500, contexts=(512, 1024), model_name: str | None = Non
         report["contexts"][str(n_ctx)] = {"rows": rows, "lynx_equals_full": same, "n": len(recs),
                                           "mean_tokens": sum(lengths) / len(lengths), "drafted": drafted,
                                           "accepted": accepted}
-    report["seconds"] = round(time.time() - t0, 1)
     ok = all(c["lynx_equals_full"] == c["n"] for c in report["contexts"].values())
+    if ruler_samples:
+        from . import ruler
+
+        report["ruler"] = ruler.run(model, tok, ruler_cells or ruler.CELLS, ruler_samples, residual_after=residual_after,
+                                    partial=str(Path(out or "results.md").with_suffix(".ruler.partial.jsonl")),
+                                    model_name=model_name, quiet=as_json)
+    if demo:
+        from . import demo as demo_
+
+        methods = {name: mode_config(m, cfg)[0] for m, name in DEMO.items()}
+        with contextlib.redirect_stdout(sys.stderr):  # the demo's own JSON line: this command prints one
+            report["demo"] = demo_.run(tokens=demo_tokens, bandwidth_bps=bandwidth_mbps * 1e6, as_json=True,
+                                       model_name=model_name, methods=methods)
+    report["seconds"] = round(time.time() - t0, 1)
+    report["cpu_seconds"] = round(time.process_time(), 1)
     report["lynx_equals_full_tier"] = ok
     if out:
-        _write(report, out, model_name, questions, contexts, residual_after)
+        extra = (f" --ruler-samples {ruler_samples}" if ruler_samples != 50 else "") + \
+            (" --ruler-cells " + " ".join(f"{t}@{n}" for t, n in ruler_cells) if ruler_cells else "") + \
+            ("" if demo else " --no-demo") + (f" --bandwidth-mbps {bandwidth_mbps:g}" if bandwidth_mbps != 15 else "")
+        _write(report, out, model_name, questions, contexts, residual_after, extra)
     print(json.dumps(report) if as_json else f"wrote {out} ({report['seconds']} s); Lynx = full tier: {ok}")
     if not ok:
         raise SystemExit("lynx-hf results: Lynx's output differs from the full tier's on some question")
@@ -150,15 +178,113 @@ def _question(model, tok, doc, cfg, letter_ids, residual_after: int, new_tokens:
             **({"bits": {m: _bits(kv, m, cfg) for m in ROWS}} if with_bits else {})}
 
 
-def _write(report: dict, out: str, model_name, questions, contexts, residual_after) -> None:
+def _pct(acc: float, ci) -> str:
+    return f"{100 * acc:.0f} [{100 * ci[0]:.0f}, {100 * ci[1]:.0f}]"
+
+
+def _paper_table(report: dict) -> list[str]:
+    """The paper's table: a row per KV mode, every column measured in this invocation (or resumed)."""
+    ctx = list(report["contexts"])[-1]
+    mmlu = report["contexts"][ctx]["rows"]
+    ruler, demo = report.get("ruler"), report.get("demo")
+    cells = list(ruler["cells"]) if ruler else []
+    head = ["KV", "bits/value", "MB on the wire", "TTFT s", "TT32T s",
+            *(f"RULER {c.split('@')[0]} {int(c.split('@')[1]) // 1024}K" for c in cells),
+            f"MMLU-Pro agreement with BF16 ({ctx})", "KL vs exact KV"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for m in ROWS:
+        d = demo["methods"].get(DEMO.get(m, "")) if demo else None
+        wire = [f"{d['bytes'] / 1e6:.2f}", f"{d['ttft_s']:.2f}", f"{d['tt32t_s']:.2f}"] if d else ["—"] * 3
+        acc = [_pct(ruler["cells"][c]["rows"][m]["accuracy"], ruler["cells"][c]["rows"][m]["ci"]) for c in cells]
+        lines.append(f"| {LABELS[m]} | {mmlu[m]['bits_per_value']:.2f} | " + " | ".join(wire + acc) +
+                     f" | {100 * mmlu[m]['agreement_bf16']:.1f} % | {mmlu[m]['kl']:.2e} |")
+    notes = [""]
+    if demo:
+        notes.append(f"Bits/value: on the KV of the MMLU-Pro prompts at {ctx} tokens, metadata and (CacheGen) tables "
+                     f"included. MB, TTFT and TT32T: `lynx-hf demo`'s two processes on loopback, a "
+                     f"{demo['prompt_tokens']}-token prompt, the link emulated at {demo['bandwidth_bps'] / 1e6:g} "
+                     f"Mbit/s; TTFT runs from the request to the first token (the prefill's logits), TT32T to 32 "
+                     f"verified tokens; CacheGen's encoding (prefill side) and decoding (decode side) lie inside both. "
+                     f"Lynx's output equals the full tier's: {demo['lynx']['identical_to_full']}."
+                     + (" The prefill took more than half of BF16's link time: compute, not the link, shapes these "
+                        "TTFTs." if demo.get("prefill_bound") else ""))
+    if ruler:
+        n = {c["n"] for c in ruler["cells"].values()}
+        same = sum(c["lynx_equals_full"] for c in ruler["cells"].values())
+        total = sum(c["n"] for c in ruler["cells"].values())
+        notes.append(f"RULER: lm-eval's own `niah_*` tasks (offline, synthetic haystacks sized with the model's "
+                     f"tokenizer), {'/'.join(map(str, sorted(n)))} samples per cell, accuracy in % with its 95 % "
+                     f"Wilson interval; greedy decoding of at most 16 new tokens (40 for `niah_multikey_3`'s UUIDs). "
+                     f"Lynx's tokens equal plain decoding on its full tier on **{same} of {total}** samples. "
+                     f"{ruler['seconds']:.0f} s wall, {ruler['cpu_seconds']:.0f} s CPU for the samples "
+                     f"this invocation computed (2 CPU cores).")
+    return lines + notes
+
+
+def _reading(report: dict) -> list[str]:
+    """What the table shows, in words computed from it, and what a 135M model cannot show."""
+    out = ["## What the table shows, and what a 135M model cannot", ""]
+    ruler = report.get("ruler")
+    if ruler:
+        cells = ruler["cells"]
+        able = [c for c, v in cells.items() if v["rows"]["bf16"]["accuracy"] >= 0.5]
+        hard = [c for c in cells if c not in able]
+
+        def rng(m, cs):
+            a = [100 * cells[c]["rows"][m]["accuracy"] for c in cs]
+            return f"{min(a):.0f}–{max(a):.0f} %" if len(a) > 1 else f"{a[0]:.0f} %"
+
+        if able:
+            below = {m: [c for c in able if cells[c]["rows"][m]["ci"][1] < cells[c]["rows"]["bf16"]["accuracy"]]
+                     for m in ROWS if m != "bf16"}
+            out.append(f"RULER, where the model finds the needle with BF16 KV ({', '.join(able)}: BF16 "
+                       f"{rng('bf16', able)}): " + "; ".join(f"{LABELS[m]} {rng(m, able)}" for m in ROWS
+                                                               if m != "bf16") + ". Below BF16 beyond their own 95 % "
+                       "interval: " + (", ".join(f"{LABELS[m]} ({len(c)} of {len(able)} cells)"
+                                                 for m, c in below.items() if c) or "none") + ".")
+        if hard:
+            out.append(f"Where the 135M model mostly fails even with BF16 KV ({', '.join(hard)}: BF16 "
+                       f"{rng('bf16', hard)}), the rows sit close to one another and to zero: " +
+                       "; ".join(f"{LABELS[m]} {rng(m, hard)}" for m in ROWS if m != "bf16") + ".")
+        out.append("Lynx's rows equal its full tier's outputs sample for sample (checked above), so whatever its "
+                   "anchor loses while drafting is recovered at verification; the anchor-only row shows what "
+                   "drafting alone would keep.")
+    out += ["", "SmolLM2-135M answers 10-option MMLU-Pro questions near chance (10 %), so the MMLU-Pro accuracy "
+            "below cannot show the paper's effect (85.2 % for Lynx vs 76.5 % for INT4 on a 32B model): its rows "
+            "differ within their intervals. What MMLU-Pro does show: how far each KV mode moves the model's own "
+            "predictions (agreement with BF16) and its next-token distribution (KL)." + _ttft_note(report.get("demo")) +
+            " The same tables for a model that can answer (any Hub id; downloads the model):", "",
+            "```bash", "lynx-hf results --model Qwen/Qwen2.5-7B-Instruct --questions 1000 --contexts 4096 8192",
+            "lynx-hf eval --model lynx --model_args pretrained=Qwen/Qwen2.5-7B-Instruct,kv=lynx,dtype=bfloat16 "
+            "--tasks mmlu_pro --device cuda",
+            "lynx-hf eval --model lynx --model_args pretrained=Qwen/Qwen2.5-7B-Instruct,kv=cachegen,dtype=bfloat16 "
+            "--tasks niah_single_1,niah_multikey_2,niah_multikey_3 --metadata '{\"max_seq_lengths\":[4096,16384]}' "
+            "--device cuda", "```", ""]
+    return out
+
+
+def _ttft_note(demo) -> str:
+    if not demo:
+        return ""
+    m = demo["methods"]
+    return (f" TTFT: the prefill took {demo['prefill_s']:.2f} s of Lynx's {m['Lynx']['ttft_s']:.2f} s here (a 135M "
+            f"model on 2 CPU cores at {demo['prompt_tokens']} tokens); the paper's TTFTs are a 32B model's on GPUs at "
+            f"16K tokens, where the link dominates.")
+
+
+def _write(report: dict, out: str, model_name, questions, contexts, residual_after, extra: str = "") -> None:
     cmd = (f"lynx-hf results --questions {questions} --contexts {' '.join(map(str, contexts))}"
-           + (f" --model {model_name}" if model_name else "") + f" --residual-after {residual_after}")
-    lines = ["# Accuracy: MMLU-Pro, many-shot long context, by KV mode", "",
+           + (f" --model {model_name}" if model_name else "") + f" --residual-after {residual_after}" + extra)
+    lines = ["# Results: the paper's table, by KV mode", "",
              f"Generated by `{cmd}` ({report['seconds']:.0f} s for the last invocation on this machine"
              + (f", which reused {report['resumed']} per-question records of earlier, interrupted ones"
                 if report.get("resumed") else "") + "); the numbers are also in `results.json` beside this file. "
-             "Do not edit by hand.", "",
-             f"Model: {report['model']}. Data: the first {questions} questions (fixed shuffle) of the local MMLU-Pro "
+             "Do not edit by hand.", "", f"Model: {report['model']}.", ""]
+    if report.get("ruler") or report.get("demo"):
+        lines += _paper_table(report) + [""]
+    lines += _reading(report)
+    lines += ["# Accuracy: MMLU-Pro, many-shot long context, by KV mode", "",
+             f"Data: the first {questions} questions (fixed shuffle) of the local MMLU-Pro "
              "test file, each as a `mmlu_pro_longctx` prompt: solved questions of its category (\"... The answer is "
              "(X).\") filling the context, then the question and \"Answer: The answer is (\". The prefill runs all "
              "but the last prompt token in full precision; each KV mode carries that KV to the decode side, which "
@@ -176,16 +302,6 @@ def _write(report: dict, out: str, model_name, questions, contexts, residual_aft
         lines += ["", f"Lynx equals plain greedy decoding on the full tier (letter and first {report['new_tokens']} "
                   f"tokens): **{c['lynx_equals_full']} of {c['n']}** questions; drafts accepted {c['accepted']} of "
                   f"{c['drafted']}.", ""]
-    lines += ["## What a 135M model can and cannot show", "",
-              "SmolLM2-135M answers 10-option MMLU-Pro questions near chance (10 %), so its accuracy column cannot "
-              "show the paper's effect (85.2 % for Lynx vs 76.5 % for INT4 on a 32B model): differences between rows "
-              "are within the intervals. What it does show: how far each KV mode moves the model's own predictions "
-              "(agreement with BF16) and its next-token distribution (KL), which is what quantization changes, and "
-              "that Lynx's output is the full tier's on every question. The same table for a model that can answer "
-              "(any Hub id; downloads the model):", "",
-              "```bash", "lynx-hf results --model Qwen/Qwen2.5-7B-Instruct --questions 1000 --contexts 4096 8192",
-              "lynx-hf eval --model lynx --model_args pretrained=Qwen/Qwen2.5-7B-Instruct,kv=lynx,dtype=bfloat16 "
-              "--tasks mmlu_pro --device cuda", "```", ""]
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text("\n".join(lines))
     Path(out).with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")

@@ -66,7 +66,15 @@ def _results(a):
     from lynx_hf.eval import results
 
     results.run(a.questions, tuple(a.contexts), a.model, a.out, a.residual_after, lynx_config=a.lynx_config,
-                as_json=a.json)
+                as_json=a.json, ruler_samples=a.ruler_samples, demo=not a.no_demo, bandwidth_mbps=a.bandwidth_mbps,
+                ruler_cells=[_cell(c) for c in a.ruler_cells] if a.ruler_cells else None)
+
+
+def _cell(text: str) -> tuple[str, int]:
+    task, _, length = text.partition("@")
+    if not task or not length.isdigit():
+        raise SystemExit(f"error: --ruler-cells takes TASK@LENGTH (e.g. niah_single_1@1024), got {text!r}")
+    return task, int(length)
 
 
 def _calibrate(a):
@@ -163,12 +171,19 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--do-sample", action="store_true", help="sample (temperature 0.7, seeded) instead of greedy")
     d.set_defaults(fn=_demo)
 
-    r = _sub(sub, "results", "the accuracy table by KV mode (docs/results.md, docs/results.json); reads MMLU-Pro (README, Data)")
+    r = _sub(sub, "results", "the paper's table by KV mode: wire, TTFT/TT32T, RULER, MMLU-Pro (docs/results.md, "
+                             "docs/results.json); reads MMLU-Pro (README, Data)")
     r.add_argument("--questions", type=int, default=500, help="MMLU-Pro questions per context length")
     r.add_argument("--contexts", type=int, nargs="+", default=[512, 1024], help="context lengths in tokens")
     r.add_argument("--model", help="Hub id or local path (default: embedded SmolLM2-135M-Instruct)")
     r.add_argument("--lynx-config", help="folder, file or Hub repo with a lynx_config.json")
     r.add_argument("--residual-after", type=int, default=2, help="Lynx: residual lands after this many draft steps")
+    r.add_argument("--ruler-samples", type=int, default=50, help="RULER samples per (task, length) cell (0: no RULER)")
+    r.add_argument("--ruler-cells", nargs="+", metavar="TASK@LENGTH",
+                   help="RULER cells (default: niah_single_1, niah_multikey_2, niah_multikey_3 at 1K and 2K, "
+                        "niah_single_1 at 4K)")
+    r.add_argument("--no-demo", action="store_true", help="skip the two-process demo (no MB/TTFT/TT32T columns)")
+    r.add_argument("--bandwidth-mbps", type=float, default=15.0, help="the demo's emulated link")
     r.add_argument("--out", default="docs/results.md", help="the Markdown table (the JSON beside it)")
     r.add_argument("--json", action="store_true", help="print only the final JSON line")
     r.set_defaults(fn=_results)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-METHODS = ("lynx", "paper", "bf16", "int8", "kivi4", "kivi2", "identity")
+METHODS = ("lynx", "paper", "bf16", "int8", "kivi4", "kivi2", "cachegen", "identity")
 ANCHORS = ("centroid", "center", "paper")
 AXES = ("auto", "channel", "token")
 CONFIG_NAME = "lynx_config.json"
@@ -21,7 +21,9 @@ class LynxQuantConfig:
     """The KV codec.
 
     method:     "lynx" (offset-binary companded code, the default), "paper" (sign-magnitude α-law, as published),
-                or a baseline with the same API: "bf16", "int8", "kivi4", "kivi2", "identity" (lossless passthrough).
+                or a baseline with the same API: "bf16", "int8", "kivi4", "kivi2", "cachegen" (CacheGen: per-token
+                quantization with depth-dependent bins, then arithmetic coding; quant/cachegen.py), "identity"
+                (lossless passthrough).
     alpha:      α of the α-law compander y = ln(1+α|u|)/ln(1+α); 0 means linear.
     chunk_size: C, tokens per chunk for the μ/σ outlier-isolation stage when that stage runs along channels.
     page_size:  tokens per page for the per-channel γ normalisation ("paper" only: in "lynx" the chunk μ/σ are

@@ -83,7 +83,9 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
 
 def encode_layers(kv, config: LynxQuantConfig):
     """[(K, V)] → [(SplitKV_K, SplitKV_V)]."""
-    return [(encode(k, config, "key"), encode(v, config, "value")) for k, v in kv]
+    n = len(kv)
+    return [(encode(k, config, "key", layer=(i, n)), encode(v, config, "value", layer=(i, n)))
+            for i, (k, v) in enumerate(kv)]
 
 
 def anchor_only(split):

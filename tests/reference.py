@@ -23,7 +23,7 @@ def full_tier_greedy(model, prompt_len: int, kv, logits: torch.Tensor, cfg, n: i
 
 
 # -- a test-only codec whose drafts really happen and are verified, yet whose output must equal plain generate -----
-def _noisy_encode(x, config, kind, reference):
+def _noisy_encode(x, config, kind, reference, layer=None):
     from lynx_hf.quant import SplitKV
 
     payload = x.contiguous().view(torch.uint8)

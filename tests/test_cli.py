@@ -24,17 +24,25 @@ def _run(*args, timeout=600):
 def test_codec_quality_json():
     r = _run("codec-quality", "--json", "--contexts", "256", "--gen", "8", "--no-ablation", "--text", TEXT)
     m = r["methods"]
-    assert r["default"] == "lynx-anchor" and set(m) >= {"bf16", "int8", "kivi4", "kivi2", "paper-anchor", "lynx-full"}
+    assert r["default"] == "lynx-anchor" and set(m) >= {"bf16", "int8", "kivi4", "kivi2", "cachegen", "paper-anchor",
+                                                         "lynx-full"}
     assert m["lynx-anchor"]["bits_per_value"] <= 4.5 and m["lynx-full"]["bits_per_value"] <= 8.5
     assert m["lynx-full"]["kl"] < m["lynx-anchor"]["kl"] < m["kivi2"]["kl"]
+    assert m["cachegen"]["bits_per_value"] < 4.5 and m["cachegen"]["kl"] < m["kivi2"]["kl"]
+    coded = r["lynx_coded"]  # CacheGen's coder on Lynx's streams: lossless (asserted inside), measured, decided
+    assert 0 < coded["anchor"]["coded_bits_per_value"] and coded["anchor"]["coding_s"] > 0
+    assert coded["adopt"] == (coded["anchor"]["ttft_cut_bound"] >= 0.05)
 
 
 def test_demo_two_processes(tmp_path):
     r = _run("demo", "--json", "--tokens", "128", "--new-tokens", "6", "--bandwidth-mbps", "50", "--out", str(tmp_path))
     assert r["lynx"]["identical_to_full"] is True
-    assert set(r["methods"]) == {"BF16", "INT8", "INT4 (KIVI-4)", "Lynx", "Lynx (no drafts: full-tier reference)"}
+    assert set(r["methods"]) == {"BF16", "INT8", "INT4 (KIVI-4)", "CacheGen", "Lynx",
+                                 "Lynx (no drafts: full-tier reference)"}
     assert isinstance(r["prefill_bound"], bool)
     assert r["methods"]["BF16"]["bytes"] > r["methods"]["INT8"]["bytes"] > r["methods"]["INT4 (KIVI-4)"]["bytes"]
+    assert r["methods"]["CacheGen"]["bytes"] < r["methods"]["INT4 (KIVI-4)"]["bytes"]
+    assert r["methods"]["CacheGen"]["ttft_s"] > 0 and r["methods"]["CacheGen"]["tt32t_s"] > 0
     assert (tmp_path / "demo.json").exists() and (tmp_path / "demo_timeline.png").stat().st_size > 10_000
 
 
@@ -74,7 +82,7 @@ def test_bench_transfer_sweep_resumes(tmp_path):
             "--new-tokens", "4", "--out", str(tmp_path))
     r = _run(*args)
     lines = (tmp_path / "bench_transfer.jsonl").read_text().splitlines()
-    assert r["requests"] == len(lines) == 2 * 5 and r["lynx_identical_to_full"] is True
+    assert r["requests"] == len(lines) == 2 * 6 and r["lynx_identical_to_full"] is True
     assert (tmp_path / "bench_transfer.png").stat().st_size > 0
     (key,) = r["crossovers"]
     assert key.endswith("@96") and set(r["crossovers"][key]) == {
@@ -86,7 +94,7 @@ def test_bench_transfer_sweep_resumes(tmp_path):
         if not method.startswith("Lynx"):
             assert x["ttft_s"] >= x["bytes"] * 8 / (mbps * 1e6), (mbps, method, x)
     assert _run(*args) == r  # resumed: nothing recomputed, the same summary
-    assert len((tmp_path / "bench_transfer.jsonl").read_text().splitlines()) == 10
+    assert len((tmp_path / "bench_transfer.jsonl").read_text().splitlines()) == 12
 
 
 def test_crossover_rule():

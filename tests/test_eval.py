@@ -178,7 +178,8 @@ def test_eval_cli_offline_end_to_end(tmp_path):
 @pytest.fixture(scope="module")
 def results_md(tmp_path_factory):
     out = tmp_path_factory.mktemp("results") / "results.md"
-    _cli("results", "--questions", "2", "--contexts", "300", "--out", str(out), "--json")
+    _cli("results", "--questions", "2", "--contexts", "300", "--out", str(out), "--json", "--ruler-samples", "2",
+         "--ruler-cells", "niah_single_1@1024", "--no-demo")
     return out
 
 
@@ -187,12 +188,18 @@ def test_results_table(results_md):
     rep = json.loads(results_md.with_suffix(".json").read_text())
     c = rep["contexts"]["300"]
     assert rep["lynx_equals_full_tier"] and c["lynx_equals_full"] == c["n"] == 2
-    assert set(c["rows"]) == {"bf16", "int8", "int4", "kivi2", "anchor", "lynx"}
+    assert set(c["rows"]) == {"bf16", "int8", "int4", "kivi2", "cachegen", "anchor", "lynx"}
     assert c["rows"]["bf16"]["agreement_bf16"] == 1.0
     assert c["rows"]["int8"]["kl"] < c["rows"]["int4"]["kl"] < c["rows"]["kivi2"]["kl"]
     assert c["rows"]["anchor"]["bits_per_value"] <= 4.6 and c["rows"]["lynx"]["bits_per_value"] <= 8.6
+    assert c["rows"]["cachegen"]["bits_per_value"] < 4.5
+    cell = rep["ruler"]["cells"]["niah_single_1@1024"]  # lm-eval's RULER task, offline, on the embedded tokenizer
+    assert cell["n"] == cell["lynx_equals_full"] == 2 and set(cell["rows"]) == {"bf16", "int8", "int4", "kivi2",
+                                                                                 "cachegen", "anchor", "lynx", "full"}
+    assert cell["rows"]["bf16"]["accuracy"] == 1.0  # the 135M model finds the needle at 1K (10 of 10 measured)
     text = results_md.read_text()
     assert "| Lynx |" in text and "2 of 2" in text and "lynx-hf results --questions 2 --contexts 300" in text
+    assert "| CacheGen |" in text and "RULER niah_single_1 1K" in text
 
 
 def test_card_folder_and_custom_generate(results_md, tmp_path, model_and_tok):

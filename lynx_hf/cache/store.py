@@ -96,6 +96,11 @@ class PromptStore:
         """Apply a batch-dimension map (reorder, select, repeat) to every segment's codes and metadata."""
         for kind in KINDS:
             for seg in self.segments[kind].values():
+                rows = codec(seg.config).select
+                if rows is not None:  # an entropy-coded stream: its codec maps the rows
+                    new = rows(seg, fn)
+                    seg.anchor, seg.meta, seg.shape = new.anchor, new.meta, new.shape
+                    continue
                 seg.anchor, seg.meta = fn(seg.anchor), {n: fn(t) for n, t in seg.meta.items()}
                 if seg.residual is not None:
                     seg.residual = fn(seg.residual)

@@ -3,7 +3,8 @@
 
 x is one layer's keys or values, [B, H_kv, S, D], in bf16 / fp16 / fp32. This package knows nothing about caches,
 models or transport. `CODECS` maps each method name of `LynxQuantConfig` to its `Codec` (encode, decode, whether it
-has a residual stream); `encode`/`dequantize` validate and dispatch through it. The Lynx codec picks the fastest exact
+has a residual stream); `encode`/`dequantize` validate and dispatch through it. CacheGen's bins depend on the layer's depth: its encode needs
+`layer=(index, num_layers)`; the other methods ignore it. The Lynx codec picks the fastest exact
 implementation for the tensor's device (Triton on CUDA; on CPU the C kernels, else torch.compile for large tensors,
 else eager torch; see quant/dispatch.py); `reference=True` forces the reference (eager, threshold-search codes)."""
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Callable
 import torch
 
 from ..config import METHODS, LynxQuantConfig
-from . import baselines, lynx
+from . import baselines, cachegen, lynx
 from .splitkv import TIERS, SplitKV
 
 __all__ = ["encode", "dequantize", "decode", "SplitKV", "TIERS", "Codec", "CODECS", "codec", "validate_input"]
@@ -24,12 +25,17 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 @dataclass(frozen=True)
 class Codec:
-    """One KV method. encode(x, config, kind, reference) → SplitKV; decode(split, tier, reference) → Tensor.
-    split: True when the code has a separate residual stream (anchor first, residual later); baselines ship whole."""
+    """One KV method. encode(x, config, kind, reference, layer) → SplitKV; decode(split, tier, reference, out) → Tensor.
+    split: True when the code has a separate residual stream (anchor first, residual later); baselines ship whole.
+    coded: True when the anchor is an entropy-coded byte stream (uint8 [N], N data-dependent, at most
+    `max_nbytes(shape)`) rather than codes indexed by batch row; `select(split, fn)` then maps its batch rows."""
 
-    encode: Callable[[torch.Tensor, LynxQuantConfig, str, bool], SplitKV]
-    decode: Callable[[SplitKV, str, bool, "torch.Tensor | None"], torch.Tensor]
+    encode: Callable[..., SplitKV]
+    decode: Callable[..., torch.Tensor]
     split: bool
+    coded: bool = False
+    max_nbytes: Callable[[tuple], int] | None = None
+    select: Callable[[SplitKV, Callable], SplitKV] | None = None
 
 
 def _finite(x: torch.Tensor) -> None:
@@ -37,7 +43,7 @@ def _finite(x: torch.Tensor) -> None:
         raise ValueError("encode: input contains NaN or Inf")
 
 
-def _lynx_encode(x, config, kind, reference):
+def _lynx_encode(x, config, kind, reference, layer=None):
     from .dispatch import kernels
 
     if reference:
@@ -55,7 +61,7 @@ def _lynx_decode(split, tier, reference, out=None):
 
 
 def _baseline(enc, dec) -> Codec:
-    def encode_(x, config, kind, reference):
+    def encode_(x, config, kind, reference, layer=None):
         _finite(x)
         return enc(x, config, kind)
 
@@ -69,8 +75,24 @@ def _baseline(enc, dec) -> Codec:
 _LYNX = Codec(_lynx_encode, _lynx_decode, split=True)
 _PASSTHROUGH = _baseline(baselines.encode_passthrough, baselines.decode_passthrough)
 _UNIFORM = _baseline(baselines.encode_uniform, baselines.decode_uniform)
+
+
+def _cachegen_encode(x, config, kind, reference, layer=None):
+    _finite(x)
+    if layer is None:
+        raise ValueError("encode: method 'cachegen' needs layer=(index, num_layers) (its bins depend on the depth)")
+    return cachegen.encode(x, config, kind, *layer)
+
+
+def _cachegen_decode(split, tier, reference, out=None):
+    x = cachegen.decode(split)
+    return x if out is None else out.copy_(x)
+
+
+_CACHEGEN = Codec(_cachegen_encode, _cachegen_decode, split=False, coded=True, max_nbytes=cachegen.max_nbytes,
+                  select=cachegen.select)
 CODECS: dict[str, Codec] = {"lynx": _LYNX, "paper": _LYNX, "identity": _PASSTHROUGH, "bf16": _PASSTHROUGH,
-                            **{m: _UNIFORM for m in baselines.BITS}}
+                            "cachegen": _CACHEGEN, **{m: _UNIFORM for m in baselines.BITS}}
 assert set(CODECS) == set(METHODS), "every method of LynxQuantConfig needs a codec"
 
 
@@ -90,15 +112,18 @@ def validate_input(x) -> None:
 
 
 def encode(x: torch.Tensor, config: LynxQuantConfig | None = None, kind: str = "key", *,
-           reference: bool = False) -> SplitKV:
-    """Encode one K or V tensor. kind ("key" | "value") selects the grouping axis the config gives that kind."""
+           reference: bool = False, layer: tuple[int, int] | None = None) -> SplitKV:
+    """Encode one K or V tensor. kind ("key" | "value") selects the grouping axis the config gives that kind;
+    layer = (index, num_layers) places it in the model (CacheGen needs it)."""
     config = config or LynxQuantConfig()
     if not isinstance(config, LynxQuantConfig):
         raise ValueError(f"encode: config must be a LynxQuantConfig, got {type(config).__name__}")
     if kind not in ("key", "value"):
         raise ValueError(f"encode: kind must be 'key' or 'value', got {kind!r}")
     validate_input(x)
-    return codec(config).encode(x, config, kind, reference)
+    if layer is not None and not (isinstance(layer, tuple) and len(layer) == 2 and 0 <= layer[0] < layer[1]):
+        raise ValueError(f"encode: layer must be (index, num_layers) with 0 <= index < num_layers, got {layer!r}")
+    return codec(config).encode(x, config, kind, reference, layer)
 
 
 def dequantize(split: SplitKV, tier: str = "full", *, reference: bool = False,

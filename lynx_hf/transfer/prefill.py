@@ -86,14 +86,15 @@ class ComputeQueue:
 
 
 def send_layer(ch: Channel, rid: int, cfg: LynxQuantConfig, layer: int, k: torch.Tensor, v: torch.Tensor,
-               start: int, segment: int = SEGMENT_TOKENS) -> list:
+               start: int, segment: int = SEGMENT_TOKENS, num_layers: int | None = None) -> list:
     """Queue one layer's KV (k, v: [B, H_kv, S, D] for prompt positions [start, start + S)) as SEGMENT frames of
-    `segment` tokens (small frames keep strict priority responsive)."""
+    `segment` tokens (small frames keep strict priority responsive). num_layers: the model's depth (CacheGen)."""
     futs = []
     S = k.shape[2]
     for kind, x in (("key", k), ("value", v)):
         for off in range(0, S, segment):
-            s = encode(x[:, :, off:off + segment].contiguous(), cfg, kind)
+            s = encode(x[:, :, off:off + segment].contiguous(), cfg, kind,
+                       layer=None if num_layers is None else (layer, num_layers))
             futs.append(ch.send_binary(FrameType.SEGMENT, Stream.ANCHOR, rid,
                                        pack_segment(layer, kind, start + off, s, False), PRIO_ANCHOR, tag=rid))
             if s.residual is not None:
@@ -115,8 +116,10 @@ class _Segmenter:
     """Cuts each layer's held KV into SEGMENT frames on one grid (from the layer's first held position, `segment`
     tokens each), however the forward pass was chunked: the frames are those of an unchunked prefill."""
 
-    def __init__(self, ch: Channel, rid: int, cfg: LynxQuantConfig, prompt_len: int, segment: int = SEGMENT_TOKENS):
+    def __init__(self, ch: Channel, rid: int, cfg: LynxQuantConfig, prompt_len: int, num_layers: int,
+                 segment: int = SEGMENT_TOKENS):
         self.ch, self.rid, self.cfg, self.P, self.segment = ch, rid, cfg, prompt_len, segment
+        self.num_layers = num_layers
         self.pending: dict[int, tuple[int, list, list]] = {}  # layer -> (start, [k parts], [v parts])
         self.futs: list = []
 
@@ -128,7 +131,8 @@ class _Segmenter:
         full = n if start + k.shape[2] == self.P else n - n % self.segment
         if full:
             K, V = torch.cat(ks, 2), torch.cat(vs, 2)  # k, v: [B, H_kv, n, D]
-            self.futs += send_layer(self.ch, self.rid, self.cfg, layer, K[:, :, :full], V[:, :, :full], s0, self.segment)
+            self.futs += send_layer(self.ch, self.rid, self.cfg, layer, K[:, :, :full], V[:, :, :full], s0, self.segment,
+                                    self.num_layers)
             ks, vs = ([K[:, :, full:]], [V[:, :, full:]]) if full < n else ([], [])
         self.pending[layer] = (s0 + full, ks, vs)
 
@@ -160,9 +164,10 @@ def serve_request(model, ch: Channel, req: dict, rid: int, compute: ComputeQueue
         raise WireError(f"bad quant_config: {e}") from None
     P = len(ids)
     compute = compute or ComputeQueue()
-    ch.send_json(FrameType.PROMPT, kv_handshake(model, rid, P, cfg), rid)
+    prompt = kv_handshake(model, rid, P, cfg)
+    ch.send_json(FrameType.PROMPT, prompt, rid)
     t0 = time.perf_counter()
-    seg = _Segmenter(ch, rid, cfg, P)
+    seg = _Segmenter(ch, rid, cfg, P, len(prompt["windows"]))
     cap = PromptCapture(model.config, seg, P)
     device = next(model.parameters()).device
     last = [time.monotonic()]

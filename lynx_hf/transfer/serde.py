@@ -103,12 +103,15 @@ def unpack_logits(payload: bytes, batch: int, vocab: int, dtype: torch.dtype) ->
 
 @functools.lru_cache(maxsize=256)
 def _expected(config: LynxQuantConfig, kind: str, axis: str, shape: tuple, dtype: torch.dtype):
-    """Shapes/dtypes the codec produces for this segment: (anchor codes, residual codes or None, {meta})."""
-    if codec(config).split and axis in ("channel", "token"):
+    """Shapes/dtypes the codec produces for this segment: (anchor codes, residual codes or None, {meta}, axis). A
+    coded stream's anchor is (None, uint8): its length is the data's, bounded by the codec's `max_nbytes`."""
+    c = codec(config)
+    if c.split and axis in ("channel", "token"):
         config = LynxQuantConfig(**{**config.to_dict(), ("key_axis" if kind == "key" else "value_axis"): axis})
-    s = encode(torch.zeros(shape, dtype=dtype), config, kind, reference=True)
+    s = encode(torch.zeros(shape, dtype=dtype), config, kind, reference=True, layer=(0, 1) if c.coded else None)
     sig = lambda t: (tuple(t.shape), t.dtype)
-    return sig(s.anchor), None if s.residual is None else sig(s.residual), {k: sig(v) for k, v in s.meta.items()}, s.axis
+    anchor = (None, torch.uint8) if c.coded else sig(s.anchor)
+    return anchor, None if s.residual is None else sig(s.residual), {k: sig(v) for k, v in s.meta.items()}, s.axis
 
 
 def warm(config: LynxQuantConfig, geometry: dict, prompt_len: int, dtype: torch.dtype) -> None:
@@ -133,6 +136,12 @@ def to_split(tensors, config: LynxQuantConfig, kind: str, axis: str, shape: tupl
     if codec(config).split and axis != want_axis:
         raise WireError(f"segment axis {axis!r} is not valid for method {config.method!r}")
     got = {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}
+    codes = tensors.get("codes")
+    if anc[0] is None and codes is not None and codes.dim() == 1 and codes.dtype == torch.uint8:
+        bound = codec(config).max_nbytes(shape)
+        if codes.numel() > bound:
+            raise WireError(f"a coded segment of {codes.numel()} bytes exceeds the bound {bound} for {shape}")
+        anc = got["codes"]
     if got.get("codes") != anc or {k: v for k, v in got.items() if k != "codes"} != meta:
         raise WireError(f"anchor segment tensors {got} do not match the codec's {anc}, {meta}")
     return SplitKV(config, kind, shape, dtype, tensors["codes"], None,
