@@ -1,9 +1,9 @@
 """`lynx-hf demo`: a prefill process and a decode process on loopback, KV over TCP behind the link emulator.
 
 This process is the decode side; it starts `lynx-hf serve-prefill` as a child process, then sends the same prompt
-with BF16, INT8, INT4 (KIVI-4), CacheGen and Lynx, and a Lynx run with drafting off (the full-tier reference). CacheGen's
-encoding runs on the prefill side and its decoding on the decode side, both inside its TTFT. TTFT is measured
-from sending the request (its arrival at the prefill process, on loopback) to the first token the decode process
+with BF16, INT8, INT4 (KIVI-4), CacheGen and Lynx, and a Lynx run with drafting off (the full-tier reference).
+CacheGen's encoding runs on the prefill side and its decoding on the decode side, both inside its TTFT. TTFT is
+measured from sending the request (its arrival at the prefill process, on loopback) to the first token the decode process
 emits: the prefill's logits (sent right after the last anchor frame) picked through the decode side's options, so it
 is verified at once; TT32T to 32 verified tokens. Prints a table, writes JSON + a PNG timeline, and ends with one
 JSON line."""

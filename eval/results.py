@@ -5,9 +5,9 @@ The paper's table (top of the file), one row per KV mode: bits/value and MB on t
 two-process demo (eval/demo.py) at a stated link, RULER accuracy (eval/ruler.py: lm-eval's own needle tasks), and
 MMLU-Pro agreement with BF16 and KL (below). Every part resumes from its partial file.
 
-MMLU-Pro protocol, per question of `mmlu_pro_longctx` (data read with `datasets` through the task's own loader) and per context
-length: the prefill node runs the prompt but its last token in full precision; each KV mode moves that KV into a
-LynxCache; the decode node feeds the last token ("(") and predicts the option letter, the argmax of the letters'
+MMLU-Pro protocol, per question of `mmlu_pro_longctx` (data read with `datasets` through the task's own loader) and
+per context length: the prefill node runs the prompt but its last token in full precision; each KV mode moves that KV
+into a LynxCache; the decode node feeds the last token ("(") and predicts the option letter, the argmax of the letters'
 logits. "lynx" decodes with `speculative_generate` (residual after `residual_after` draft steps: drafts on the
 anchor, then verification), every other mode with plain `generate` on its tier. Reported per mode: accuracy with a
 95 % Wilson interval and agreement with BF16's predictions (both through the `evaluate` metric in
@@ -125,9 +125,10 @@ def run(questions: int = 500, contexts=(512, 1024), model_name: str | None = Non
     if ruler_samples:
         from . import ruler
 
-        report["ruler"] = ruler.run(model, tok, ruler_cells or ruler.CELLS, ruler_samples, residual_after=residual_after,
-                                    partial=str(Path(out or "results.md").with_suffix(".ruler.partial.jsonl")),
-                                    model_name=model_name, quiet=as_json)
+        partial = str(Path(out or "results.md").with_suffix(".ruler.partial.jsonl"))
+        report["ruler"] = ruler.run(model, tok, ruler_cells or ruler.CELLS, ruler_samples,
+                                    residual_after=residual_after, partial=partial, model_name=model_name,
+                                    quiet=as_json)
     if demo:
         from . import demo as demo_
 
@@ -216,8 +217,9 @@ def _paper_table(report: dict) -> list[str]:
                      f"tokenizer), {'/'.join(map(str, sorted(n)))} samples per cell, accuracy in % with its 95 % "
                      f"Wilson interval; greedy decoding of at most 16 new tokens (40 for `niah_multikey_3`'s UUIDs). "
                      f"Lynx's tokens equal plain decoding on its full tier on **{same} of {total}** samples. "
-                     f"{ruler['seconds']:.0f} s wall, {ruler['cpu_seconds']:.0f} s CPU for the samples "
-                     f"this invocation computed (2 CPU cores).")
+                     f"This invocation computed {ruler['computed']} samples in {ruler['seconds']:.0f} s wall "
+                     f"({ruler['cpu_seconds']:.0f} s CPU, 2 cores) and resumed {ruler['resumed']} from its partial "
+                     f"file.")
     return lines + notes
 
 

@@ -6,10 +6,10 @@ the haystack sized with the model's tokenizer); the prefill node runs the prompt
 carries that KV to the decode side (eval/kv_modes.py) and decodes greedily (the task's `max_gen_toks`, 128, capped
 at what its answer needs: 16 tokens for a 7-digit number, 40 for a UUID); lm-eval's `process_results` scores the
 text. The baselines and the anchor tier decode as one batch, a row per mode over its own reconstructed KV (batch
-rows may differ from a batch of one in float rounding, not in what they mean). "lynx" decodes with `speculative_generate` (residual after
-`residual_after` draft steps); "full" (plain greedy decoding on Lynx's full tier) is the reference Lynx must equal,
-token for token, on every sample: the run fails otherwise. One JSON line per sample in a partial file: a rerun
-resumes."""
+rows may differ from a batch of one in float rounding, not in what they mean). "lynx" decodes with
+`speculative_generate` (residual after `residual_after` draft steps); "full" (plain greedy decoding on Lynx's full
+tier) is the reference Lynx must equal, token for token, on every sample: the run fails otherwise. One JSON line per
+sample in a partial file: a rerun resumes."""
 from __future__ import annotations
 
 import json
@@ -29,7 +29,8 @@ from .kv_modes import mode_config, transferred_cache
 ROWS = ("bf16", "int8", "int4", "kivi2", "cachegen", "anchor", "lynx")
 CELLS = (("niah_single_1", 1024), ("niah_multikey_2", 1024), ("niah_multikey_3", 1024),
          ("niah_single_1", 2048), ("niah_multikey_2", 2048), ("niah_multikey_3", 2048), ("niah_single_1", 4096))
-OFFLINE = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe", "ruler_fwe")  # data built here
+# the RULER tasks that build their data here (the others download a haystack or questions)
+OFFLINE = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe", "ruler_fwe")
 
 
 def wilson(k: float, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -82,14 +83,27 @@ def _sample(model, tok, task, inst, length: int, gen: int, residual_after: int) 
     seqs = model.generate(ids.expand(len(BATCHED), -1), cache=cache, **kw)[:, P:].tolist()
     out = dict(zip(BATCHED, seqs))
     # Lynx as a decode node runs it (drafts on the anchor, then verification), and its reference
-    out["lynx"] = model.generate(ids, cache=transferred_cache(model, kv, logits, P, "lynx", residual_after=residual_after),
-                                 custom_generate=lynx_hf.speculative_generate, **kw)[0, P:].tolist()
+    spec = transferred_cache(model, kv, logits, P, "lynx", residual_after=residual_after)
+    out["lynx"] = model.generate(ids, cache=spec, custom_generate=lynx_hf.speculative_generate, **kw)[0, P:].tolist()
     full = LynxCache.from_kv(model, P, kv, logits, mode_config("lynx")[0]).pin_tier("full")
     out["full"] = model.generate(ids, cache=full, **kw)[0, P:].tolist()
     out = {m: t[:t.index(eos) + 1] if eos in t else t for m, t in out.items()}
     score = {m: float(task.process_results(inst.doc, [tok.decode(t, skip_special_tokens=True)])[str(length)])
              for m, t in out.items()}
     return {"tokens": P, "out": out, "score": score}
+
+
+def _cell(model, tok, task_name, length, samples, tokenizer, gen, residual_after, done, path, quiet, setting):
+    task, insts = requests(task_name, length, samples, tokenizer)
+    recs = []
+    for inst in tqdm(insts, desc=f"RULER {task_name}@{length}", disable=quiet):
+        key = f"{task_name}/{length}/{inst.doc_id}"
+        if key not in done:
+            done[key] = {"key": key, "setting": setting, **_sample(model, tok, task, inst, length, gen, residual_after)}
+            with open(path, "a") as f:
+                f.write(json.dumps(done[key]) + "\n")
+        recs.append(done[key])
+    return recs
 
 
 def run(model=None, tok=None, cells=CELLS, samples: int = 50, gen: int = 16, residual_after: int = 2,
@@ -111,19 +125,17 @@ def run(model=None, tok=None, cells=CELLS, samples: int = 50, gen: int = 16, res
             if r.get("setting") == [model_name, gen, residual_after]:
                 done[r["key"]] = r
     report, t0, cpu0 = {"cells": {}, "samples": samples, "gen": gen}, time.time(), time.process_time()
+    before, used = set(done), set()
     for task_name, length in cells:
         if task_name not in OFFLINE:
             raise ValueError(f"{task_name} downloads its haystack; offline RULER tasks: {OFFLINE}")
-        task, insts = requests(task_name, length, samples, tokenizer)
-        recs = []
-        for inst in tqdm(insts, desc=f"RULER {task_name}@{length}", disable=quiet):
-            key = f"{task_name}/{length}/{inst.doc_id}"
-            if key not in done:
-                done[key] = {"key": key, "setting": [model_name, gen, residual_after],
-                             **_sample(model, tok, task, inst, length, gen, residual_after)}
-                with open(path, "a") as f:
-                    f.write(json.dumps(done[key]) + "\n")
-            recs.append(done[key])
+        keys = [f"{task_name}/{length}/{i}" for i in range(samples)]  # lm-eval's --limit: the first documents
+        if all(k in done for k in keys):  # resumed whole: no need to build the task (500 haystacks)
+            recs = [done[k] for k in keys]
+        else:
+            recs = _cell(model, tok, task_name, length, samples, tokenizer, gen, residual_after, done, path, quiet,
+                         [model_name, gen, residual_after])
+        used |= {r["key"] for r in recs}
         same = sum(r["out"]["lynx"] == r["out"]["full"] for r in recs)
         if same != len(recs):
             raise AssertionError(f"RULER {task_name}@{length}: Lynx differs from its full tier on "
@@ -136,4 +148,5 @@ def run(model=None, tok=None, cells=CELLS, samples: int = 50, gen: int = 16, res
             "n": len(recs), "tokens": sum(r["tokens"] for r in recs) / len(recs), "rows": rows,
             "lynx_equals_full": same}
     report["seconds"], report["cpu_seconds"] = time.time() - t0, time.process_time() - cpu0
+    report["computed"], report["resumed"] = len(used - before), len(used & before)
     return report

@@ -174,6 +174,43 @@ def test_eval_cli_offline_end_to_end(tmp_path):
     assert set(res) == {"mmlu_pro_local", "mmlu_pro_longctx_1k"} and 0 <= res["mmlu_pro_longctx_1k"]["acc,none"] <= 1
 
 
+@pytest.mark.slow  # subprocess / spawned processes
+@pytest.mark.parametrize("kv", ["cachegen", "lynx"])
+def test_ruler_through_lynx_hf_eval_on_a_tiny_model(tmp_path, kv):
+    """lm-eval's own RULER task end to end, offline, on a tiny model saved with the embedded tokenizer (RULER sizes its
+    haystack with the folder's tokenizer): lm-eval's table has the task at 1024 tokens, scored in [0, 1]."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lynx_hf.model import default_tokenizer
+
+    tok = default_tokenizer()
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    p = _cli("eval", "--model", "lynx", "--model_args", f"pretrained={tmp_path / 'm'},kv={kv},residual_after=1",
+             "--tasks", "niah_single_1", "--limit", "2", "--metadata", '{"max_seq_lengths":[1024]}',
+             "--gen_kwargs", "max_gen_toks=4", "--output_path", str(tmp_path / "out"))
+    res = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())["results"]["niah_single_1"]
+    assert 0.0 <= res["1024,none"] <= 1.0 and "niah_single_1" in p.stdout
+
+
+def test_a_failed_download_is_named_in_one_line():
+    """Offline, a RULER task that downloads its haystack (from the Hub's `baber/paul_graham_essays`, through
+    `datasets`) fails with the ConnectionError below: `lynx-hf eval` turns such a chain into one line."""
+    from lynx_hf.eval import lm_eval_model as L
+
+    try:
+        try:
+            raise ConnectionError("Couldn't reach 'baber/paul_graham_essays' on the Hub (LocalEntryNotFoundError)")
+        except ConnectionError as e:
+            raise RuntimeError("while building niah_single_2") from e
+    except RuntimeError as e:
+        assert L._is_download_error(e)
+    assert not L._is_download_error(ValueError("a bug, not the network"))
+    assert "ruler_qa_squad" in L.DOWNLOADS and "niah_single_1" not in L.DOWNLOADS
+
+
 # -- results table, card, custom_generate ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def results_md(tmp_path_factory):

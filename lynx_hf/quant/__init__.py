@@ -3,10 +3,11 @@
 
 x is one layer's keys or values, [B, H_kv, S, D], in bf16 / fp16 / fp32. This package knows nothing about caches,
 models or transport. `CODECS` maps each method name of `LynxQuantConfig` to its `Codec` (encode, decode, whether it
-has a residual stream); `encode`/`dequantize` validate and dispatch through it. CacheGen's bins depend on the layer's depth: its encode needs
-`layer=(index, num_layers)`; the other methods ignore it. The Lynx codec picks the fastest exact
-implementation for the tensor's device (Triton on CUDA; on CPU the C kernels, else torch.compile for large tensors,
-else eager torch; see quant/dispatch.py); `reference=True` forces the reference (eager, threshold-search codes)."""
+has a residual stream); `encode`/`dequantize` validate and dispatch through it. CacheGen's bins depend on the
+layer's depth: its encode needs `layer=(index, num_layers)`; the other methods ignore it. The Lynx codec picks the
+fastest exact implementation for the tensor's device (Triton on CUDA; on CPU the C kernels, else torch.compile for
+large tensors, else eager torch; see quant/dispatch.py); `reference=True` forces the reference (eager,
+threshold-search codes)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,7 +26,8 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 @dataclass(frozen=True)
 class Codec:
-    """One KV method. encode(x, config, kind, reference, layer) → SplitKV; decode(split, tier, reference, out) → Tensor.
+    """One KV method. encode(x, config, kind, reference, layer) → SplitKV;
+    decode(split, tier, reference, out) → Tensor.
     split: True when the code has a separate residual stream (anchor first, residual later); baselines ship whole.
     coded: True when the anchor is an entropy-coded byte stream (uint8 [N], N data-dependent, at most
     `max_nbytes(shape)`) rather than codes indexed by batch row; `select(split, fn)` then maps its batch rows."""

@@ -155,8 +155,9 @@ def encode(x: torch.Tensor, config, kind: str, layer: int, num_layers: int) -> S
 
 def from_symbols(q: torch.Tensor, levels: int, scale: torch.Tensor, like: SplitKV) -> SplitKV:
     """A SplitKV like `like` for symbols q: [B', S, C] and scale [B', S] (a batch map's result; exact)."""
-    return SplitKV(like.config, like.kind, (q.shape[0], *like.shape[1:]), like.dtype, symbols_to_stream(q, levels).to(like.anchor.device), None,
-                   {"scale": scale}, like.axis)
+    stream = symbols_to_stream(q, levels).to(like.anchor.device)
+    return SplitKV(like.config, like.kind, (q.shape[0], *like.shape[1:]), like.dtype, stream, None, {"scale": scale},
+                   like.axis)
 
 
 def symbols(split: SplitKV) -> tuple[torch.Tensor, int]:

@@ -131,8 +131,8 @@ class _Segmenter:
         full = n if start + k.shape[2] == self.P else n - n % self.segment
         if full:
             K, V = torch.cat(ks, 2), torch.cat(vs, 2)  # k, v: [B, H_kv, n, D]
-            self.futs += send_layer(self.ch, self.rid, self.cfg, layer, K[:, :, :full], V[:, :, :full], s0, self.segment,
-                                    self.num_layers)
+            self.futs += send_layer(self.ch, self.rid, self.cfg, layer, K[:, :, :full], V[:, :, :full], s0,
+                                    self.segment, self.num_layers)
             ks, vs = ([K[:, :, full:]], [V[:, :, full:]]) if full < n else ([], [])
         self.pending[layer] = (s0 + full, ks, vs)
 
