@@ -128,7 +128,7 @@ def run(questions: int = 500, contexts=(512, 1024), model_name: str | None = Non
         partial = str(Path(out or "results.md").with_suffix(".ruler.partial.jsonl"))
         report["ruler"] = ruler.run(model, tok, ruler_cells or ruler.CELLS, ruler_samples,
                                     residual_after=residual_after, partial=partial, model_name=model_name,
-                                    quiet=as_json)
+                                    quiet=as_json, lynx_config=cfg)
     if demo:
         from . import demo as demo_
 
@@ -219,13 +219,14 @@ def _paper_table(report: dict) -> list[str]:
                      f"Lynx's tokens equal plain decoding on its full tier on **{same} of {total}** samples. "
                      f"This invocation computed {ruler['computed']} samples in {ruler['seconds']:.0f} s wall "
                      f"({ruler['cpu_seconds']:.0f} s CPU, 2 cores) and resumed {ruler['resumed']} from its partial "
-                     f"file.")
-    return lines + notes
+                     f"file" + (" (docs/evaluation.md times the run that computed them)." if ruler["resumed"] else "."))
+    return lines + [x for n in notes[1:] for x in ("", n)]
 
 
 def _reading(report: dict) -> list[str]:
     """What the table shows, in words computed from it, and what a 135M model cannot show."""
     out = ["## What the table shows, and what a 135M model cannot", ""]
+    para = lambda text: out.extend([text, ""])  # noqa: E731 — one Markdown paragraph
     ruler = report.get("ruler")
     if ruler:
         cells = ruler["cells"]
@@ -234,24 +235,34 @@ def _reading(report: dict) -> list[str]:
 
         def rng(m, cs):
             a = [100 * cells[c]["rows"][m]["accuracy"] for c in cs]
-            return f"{min(a):.0f}–{max(a):.0f} %" if len(a) > 1 else f"{a[0]:.0f} %"
+            return f"{min(a):.0f}–{max(a):.0f} %" if round(min(a)) != round(max(a)) else f"{a[0]:.0f} %"
+
+        def group(cs, what):
+            below = {m: [c for c in cs if cells[c]["rows"][m]["ci"][1] < cells[c]["rows"]["bf16"]["accuracy"]]
+                     for m in ROWS if m != "bf16"}
+            para(f"RULER, {what} ({', '.join(cs)}), BF16 {rng('bf16', cs)}: " +
+                       "; ".join(f"{LABELS[m]} {rng(m, cs)}" for m in ROWS if m != "bf16") + ". Below BF16's "
+                       "accuracy by more than their own 95 % interval: " +
+                       (", ".join(f"{LABELS[m]} ({len(c)} of {len(cs)} cells)" for m, c in below.items() if c)
+                        or "none") + ".")
 
         if able:
-            below = {m: [c for c in able if cells[c]["rows"][m]["ci"][1] < cells[c]["rows"]["bf16"]["accuracy"]]
-                     for m in ROWS if m != "bf16"}
-            out.append(f"RULER, where the model finds the needle with BF16 KV ({', '.join(able)}: BF16 "
-                       f"{rng('bf16', able)}): " + "; ".join(f"{LABELS[m]} {rng(m, able)}" for m in ROWS
-                                                               if m != "bf16") + ". Below BF16 beyond their own 95 % "
-                       "interval: " + (", ".join(f"{LABELS[m]} ({len(c)} of {len(able)} cells)"
-                                                 for m, c in below.items() if c) or "none") + ".")
+            group(able, "where the model finds the needle with BF16 KV")
         if hard:
-            out.append(f"Where the 135M model mostly fails even with BF16 KV ({', '.join(hard)}: BF16 "
-                       f"{rng('bf16', hard)}), the rows sit close to one another and to zero: " +
-                       "; ".join(f"{LABELS[m]} {rng(m, hard)}" for m in ROWS if m != "bf16") + ".")
-        out.append("Lynx's rows equal its full tier's outputs sample for sample (checked above), so whatever its "
+            group(hard, "where several keys hide in the haystack and the 135M model mostly fails even with BF16 KV")
+        para("Lynx's rows equal its full tier's outputs sample for sample (checked above), so whatever its "
                    "anchor loses while drafting is recovered at verification; the anchor-only row shows what "
                    "drafting alone would keep.")
-    out += ["", "SmolLM2-135M answers 10-option MMLU-Pro questions near chance (10 %), so the MMLU-Pro accuracy "
+    demo = report.get("demo")
+    if demo:
+        m = demo["methods"]
+        order = sorted((r for r in DEMO.values() if r in m), key=lambda r: m[r]["ttft_s"])
+        para(f"TTFT at {demo['bandwidth_bps'] / 1e6:g} Mbit/s, shortest first: " +
+                   ", ".join(f"{r} {m[r]['ttft_s']:.2f} s" for r in order) + f" (prefill {demo['prefill_s']:.2f} s). "
+                   "A baseline's first token waits for all of its KV; Lynx's for its anchor stream and the prefill's "
+                   "logits, so its TTFT follows its anchor's bytes, and its TT32T adds the residual and one "
+                   "verification.")
+    out += ["SmolLM2-135M answers 10-option MMLU-Pro questions near chance (10 %), so the MMLU-Pro accuracy "
             "below cannot show the paper's effect (85.2 % for Lynx vs 76.5 % for INT4 on a 32B model): its rows "
             "differ within their intervals. What MMLU-Pro does show: how far each KV mode moves the model's own "
             "predictions (agreement with BF16) and its next-token distribution (KL)." + _ttft_note(report.get("demo")) +
@@ -279,7 +290,7 @@ def _write(report: dict, out: str, model_name, questions, contexts, residual_aft
            + (f" --model {model_name}" if model_name else "") + f" --residual-after {residual_after}" + extra)
     lines = ["# Results: the paper's table, by KV mode", "",
              f"Generated by `{cmd}` ({report['seconds']:.0f} s for the last invocation on this machine"
-             + (f", which reused {report['resumed']} per-question records of earlier, interrupted ones"
+             + (f", which reused {report['resumed']} per-question records of earlier invocations"
                 if report.get("resumed") else "") + "); the numbers are also in `results.json` beside this file. "
              "Do not edit by hand.", "", f"Model: {report['model']}.", ""]
     if report.get("ruler") or report.get("demo"):

@@ -44,8 +44,8 @@ def wilson(k: float, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, c - h), min(1.0, c + h)
 
 
-def requests(task: str, length: int, limit: int, tokenizer: str) -> list:
-    """lm-eval's Instances of `task` at `length` tokens: the first `limit` documents, as its CLI would build them."""
+def requests(task: str, length: int, limit: int, tokenizer: str) -> tuple:
+    """(the lm-eval task, its Instances at `length` tokens for the first `limit` documents, as its CLI builds them)."""
     from lm_eval.tasks import TaskManager, get_task_dict
 
     tm = TaskManager(metadata={"max_seq_lengths": [length], "tokenizer": tokenizer})
@@ -58,16 +58,16 @@ BATCHED = tuple(m for m in ROWS if m != "lynx")  # decoded together: one row eac
 GEN = {"niah_multikey_3": 40}  # tokens to generate: an answer is 7 digits (16 tokens suffice) or a UUID (40)
 
 
-def _dequantized(kv, mode: str) -> list:
+def _dequantized(kv, mode: str, lynx_config) -> list:
     """The prompt's KV as the decode side reconstructs it in `mode`: [(K, V)] per layer, each [1, H, S, D]."""
-    cfg, tier = mode_config(mode)
+    cfg, tier = mode_config(mode, lynx_config)
     n = len(kv)
     return [tuple(quant.dequantize(quant.encode(x, cfg, kind, layer=(i, n)), tier)
                   for x, kind in ((k, "key"), (v, "value"))) for i, (k, v) in enumerate(kv)]
 
 
 @torch.inference_mode()
-def _sample(model, tok, task, inst, length: int, gen: int, residual_after: int) -> dict:
+def _sample(model, tok, task, inst, length: int, gen: int, residual_after: int, lynx_config=None) -> dict:
     """One sample: the prompt's prefill, then every mode's greedy tokens and lm-eval's score of their text."""
     context, gen_kwargs = inst.args
     ids = tok(context, add_special_tokens=False, return_tensors="pt").input_ids.to(model.device)   # [1, P]
@@ -76,16 +76,16 @@ def _sample(model, tok, task, inst, length: int, gen: int, residual_after: int) 
     n = min(int(gen_kwargs.get("max_gen_toks", gen)), GEN.get(task.config.task, gen))
     kw = dict(max_new_tokens=n, do_sample=False, pad_token_id=eos, eos_token_id=eos)
     # the baselines and the anchor tier: one batch row per mode, each over its own reconstructed KV
-    rows = [_dequantized(kv, m) for m in BATCHED]
+    rows = [_dequantized(kv, m, lynx_config) for m in BATCHED]
     batch = [tuple(torch.cat([r[i][j] for r in rows]) for j in (0, 1)) for i in range(len(kv))]  # [M, H, S, D]
     cache = LynxCache.from_kv(model, P, batch, logits.expand(len(BATCHED), -1),
                               LynxQuantConfig(method="identity")).pin_tier("full")
     seqs = model.generate(ids.expand(len(BATCHED), -1), cache=cache, **kw)[:, P:].tolist()
     out = dict(zip(BATCHED, seqs))
     # Lynx as a decode node runs it (drafts on the anchor, then verification), and its reference
-    spec = transferred_cache(model, kv, logits, P, "lynx", residual_after=residual_after)
+    spec = transferred_cache(model, kv, logits, P, "lynx", lynx_config, residual_after=residual_after)
     out["lynx"] = model.generate(ids, cache=spec, custom_generate=lynx_hf.speculative_generate, **kw)[0, P:].tolist()
-    full = LynxCache.from_kv(model, P, kv, logits, mode_config("lynx")[0]).pin_tier("full")
+    full = LynxCache.from_kv(model, P, kv, logits, mode_config("lynx", lynx_config)[0]).pin_tier("full")
     out["full"] = model.generate(ids, cache=full, **kw)[0, P:].tolist()
     out = {m: t[:t.index(eos) + 1] if eos in t else t for m, t in out.items()}
     score = {m: float(task.process_results(inst.doc, [tok.decode(t, skip_special_tokens=True)])[str(length)])
@@ -93,13 +93,15 @@ def _sample(model, tok, task, inst, length: int, gen: int, residual_after: int) 
     return {"tokens": P, "out": out, "score": score}
 
 
-def _cell(model, tok, task_name, length, samples, tokenizer, gen, residual_after, done, path, quiet, setting):
+def _cell(model, tok, task_name, length, samples, tokenizer, gen, residual_after, lynx_config, done, path, quiet,
+          setting):
     task, insts = requests(task_name, length, samples, tokenizer)
     recs = []
     for inst in tqdm(insts, desc=f"RULER {task_name}@{length}", disable=quiet):
         key = f"{task_name}/{length}/{inst.doc_id}"
         if key not in done:
-            done[key] = {"key": key, "setting": setting, **_sample(model, tok, task, inst, length, gen, residual_after)}
+            done[key] = {"key": key, "setting": setting,
+                         **_sample(model, tok, task, inst, length, gen, residual_after, lynx_config)}
             with open(path, "a") as f:
                 f.write(json.dumps(done[key]) + "\n")
         recs.append(done[key])
@@ -107,8 +109,10 @@ def _cell(model, tok, task_name, length, samples, tokenizer, gen, residual_after
 
 
 def run(model=None, tok=None, cells=CELLS, samples: int = 50, gen: int = 16, residual_after: int = 2,
-        partial: str = "docs/results.ruler.partial.jsonl", model_name: str | None = None, quiet: bool = False) -> dict:
-    """{"cells": {"task@length": {"n", "tokens", "rows": {mode: {"accuracy", "ci"}}, "lynx_equals_full"}}, ...}."""
+        partial: str = "docs/results.ruler.partial.jsonl", model_name: str | None = None, quiet: bool = False,
+        lynx_config: LynxQuantConfig | None = None) -> dict:
+    """{"cells": {"task@length": {"n", "tokens", "rows": {mode: {"accuracy", "ci"}}, "lynx_equals_full"}}, ...}.
+    lynx_config: the codec of "anchor" and "lynx" (default LynxQuantConfig())."""
     from transformers.utils import logging
 
     from lynx_hf.model import DEFAULT_GGUF, converted_gguf, default_model_dir
@@ -118,11 +122,12 @@ def run(model=None, tok=None, cells=CELLS, samples: int = 50, gen: int = 16, res
         model, tok = lynx_hf.load_default_model(model_name)
     tokenizer = model_name or converted_gguf(default_model_dir(), DEFAULT_GGUF)
     path = Path(partial)
+    setting = [model_name, gen, residual_after] + ([lynx_config.to_dict()] if lynx_config else [])
     done = {}
     if path.exists():
         for line in path.read_text().splitlines():
             r = json.loads(line)
-            if r.get("setting") == [model_name, gen, residual_after]:
+            if r.get("setting") == setting:
                 done[r["key"]] = r
     report, t0, cpu0 = {"cells": {}, "samples": samples, "gen": gen}, time.time(), time.process_time()
     before, used = set(done), set()
@@ -133,8 +138,8 @@ def run(model=None, tok=None, cells=CELLS, samples: int = 50, gen: int = 16, res
         if all(k in done for k in keys):  # resumed whole: no need to build the task (500 haystacks)
             recs = [done[k] for k in keys]
         else:
-            recs = _cell(model, tok, task_name, length, samples, tokenizer, gen, residual_after, done, path, quiet,
-                         [model_name, gen, residual_after])
+            recs = _cell(model, tok, task_name, length, samples, tokenizer, gen, residual_after, lynx_config, done,
+                         path, quiet, setting)
         used |= {r["key"] for r in recs}
         same = sum(r["out"]["lynx"] == r["out"]["full"] for r in recs)
         if same != len(recs):
