@@ -46,8 +46,17 @@ def wilson(k: float, n: int, z: float = 1.96) -> tuple[float, float]:
 
 def requests(task: str, length: int, limit: int, tokenizer: str) -> tuple:
     """(the lm-eval task, its Instances at `length` tokens for the first `limit` documents, as its CLI builds them)."""
+    import random
+
+    import numpy as np
+    from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
     from lm_eval.tasks import TaskManager, get_task_dict
 
+    # RULER draws its haystacks, keys and needles from the global generators, which lm-eval's CLI seeds before it
+    # builds the tasks (simple_evaluate): the same seeds give the same documents as `lynx-hf eval --tasks TASK`
+    random.seed(DEFAULT_RANDOM_SEED)
+    np.random.seed(DEFAULT_OTHER_SEED)
+    torch.manual_seed(DEFAULT_OTHER_SEED)
     tm = TaskManager(metadata={"max_seq_lengths": [length], "tokenizer": tokenizer})
     t = get_task_dict([task], tm)[task]
     t.build_all_requests(limit=limit)
@@ -122,7 +131,7 @@ def run(model=None, tok=None, cells=CELLS, samples: int = 50, gen: int = 16, res
         model, tok = lynx_hf.load_default_model(model_name)
     tokenizer = model_name or converted_gguf(default_model_dir(), DEFAULT_GGUF)
     path = Path(partial)
-    setting = [model_name, gen, residual_after] + ([lynx_config.to_dict()] if lynx_config else [])
+    setting = [model_name, gen, residual_after, "lm-eval seeds"] + ([lynx_config.to_dict()] if lynx_config else [])
     done = {}
     if path.exists():
         for line in path.read_text().splitlines():
