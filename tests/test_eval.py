@@ -249,7 +249,7 @@ def test_card_folder_and_custom_generate(results_md, tmp_path, model_and_tok):
          "--residual-after", "3")
     card = ModelCard.load(out / "README.md")
     assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct" and "custom_generate" in card.data.tags
-    assert len(card.data.eval_results) == 6 and {r.metric_type for r in card.data.eval_results} == {"accuracy"}
+    assert len(card.data.eval_results) == 7 and {r.metric_type for r in card.data.eval_results} == {"accuracy"}
     assert LynxQuantConfig.from_pretrained(out) == LynxQuantConfig(alpha=1.0)
     assert json.loads((out / "lynx_config.json").read_text())["calibration"] == {"kl_anchor": 0.01}
     assert (out / "custom_generate" / "requirements.txt").read_text().split()[0].startswith("torch")

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from ..config import METHODS, LynxQuantConfig
-from . import baselines, cachegen, lynx
+from . import baselines, lynx
 from .splitkv import TIERS, SplitKV
 
 __all__ = ["encode", "dequantize", "decode", "SplitKV", "TIERS", "Codec", "CODECS", "codec", "validate_input"]
@@ -79,20 +79,38 @@ _PASSTHROUGH = _baseline(baselines.encode_passthrough, baselines.decode_passthro
 _UNIFORM = _baseline(baselines.encode_uniform, baselines.decode_uniform)
 
 
+# CacheGen is imported where it is used: it needs numpy and constriction, which the Hub folder's runtime
+# (torch and transformers only) leaves behind, together with this baseline.
 def _cachegen_encode(x, config, kind, reference, layer=None):
+    from .cachegen import encode as cachegen_encode
+
     _finite(x)
     if layer is None:
         raise ValueError("encode: method 'cachegen' needs layer=(index, num_layers) (its bins depend on the depth)")
-    return cachegen.encode(x, config, kind, *layer)
+    return cachegen_encode(x, config, kind, *layer)
 
 
 def _cachegen_decode(split, tier, reference, out=None):
-    x = cachegen.decode(split)
+    from .cachegen import decode as cachegen_decode
+
+    x = cachegen_decode(split)
     return x if out is None else out.copy_(x)
 
 
-_CACHEGEN = Codec(_cachegen_encode, _cachegen_decode, split=False, coded=True, max_nbytes=cachegen.max_nbytes,
-                  select=cachegen.select)
+def _cachegen_bound(shape: tuple) -> int:
+    from .cachegen import max_nbytes
+
+    return max_nbytes(shape)
+
+
+def _cachegen_select(split, fn):
+    from .cachegen import select
+
+    return select(split, fn)
+
+
+_CACHEGEN = Codec(_cachegen_encode, _cachegen_decode, split=False, coded=True, max_nbytes=_cachegen_bound,
+                  select=_cachegen_select)
 CODECS: dict[str, Codec] = {"lynx": _LYNX, "paper": _LYNX, "identity": _PASSTHROUGH, "bf16": _PASSTHROUGH,
                             "cachegen": _CACHEGEN, **{m: _UNIFORM for m in baselines.BITS}}
 assert set(CODECS) == set(METHODS), "every method of LynxQuantConfig needs a codec"
