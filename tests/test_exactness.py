@@ -193,7 +193,9 @@ def test_another_prompt_or_mask_than_the_prefill_is_refused():
                 model.generate(cache=cache, max_new_tokens=4, do_sample=False, **custom, **kw)
 
 
-def test_a_second_generate_on_one_cache_is_refused():
+def test_a_second_generate_on_the_same_prompt_re_runs_its_last_token():
+    """A turn with no new token (the prompt again, after a generation): the cache drops what it holds past the
+    prompt's last position and re-runs that one — plain generate's output again, never a grown cache."""
     model = arch("llama")
     ids = prompt()
     for custom in ({"custom_generate": lynx_hf.speculative_generate}, {}):
@@ -202,9 +204,10 @@ def test_a_second_generate_on_one_cache_is_refused():
             model.generate(prompt(2), cache=cache, max_new_tokens=4, do_sample=False, **custom)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model.generate(ids, cache=cache, max_new_tokens=4, do_sample=False, **custom)
-        with pytest.raises(ValueError, match="already used for a generation"):
-            model.generate(ids, cache=cache, max_new_tokens=4, do_sample=False, **custom)
+            first = model.generate(ids, cache=cache, max_new_tokens=4, do_sample=False, **custom)
+            again = model.generate(ids, cache=cache, max_new_tokens=4, do_sample=False, **custom)
+        assert again.tolist() == first.tolist() == model.generate(ids, max_new_tokens=4, do_sample=False).tolist()
+        assert cache.held_ids.shape[1] == ids.shape[1] + 3
 
 
 @pytest.mark.parametrize("opt", [{"penalty_alpha": 0.6, "top_k": 4}, {"dola_layers": "high"}],
@@ -276,18 +279,28 @@ def test_stop_strings_take_the_criterion_and_token_healing_is_refused_with_the_w
         lynx(model, ids, token_healing=True, tokenizer=tok)
 
 
-def test_plain_generate_on_a_cache_that_does_not_know_its_model_is_refused():
+def test_plain_generate_binds_a_cache_built_by_hand_to_its_model():
+    """A cache built by hand knows no model: generate binds it to the model it runs (the first step takes the
+    prefill's logits); a bare forward pass without generate cannot, and is refused."""
     from lynx_hf.local import InProcessLoader, prefill
 
     model = arch("llama")
     ids = prompt()
     kv, logits = prefill(model, ids)
-    cache = LynxCache(2, P)                                  # built by hand: no model to take the first logits from
+    cache = LynxCache(2, P)
+    cache.put_logits(logits)
+    InProcessLoader(kv, Q(method="identity")).attach(cache)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert model.generate(ids, cache=cache, max_new_tokens=N, do_sample=False).tolist() == \
+            plain(model, ids).tolist()
+    cache = LynxCache(2, P)
     cache.put_logits(logits)
     InProcessLoader(kv, Q()).attach(cache)
+    cache._phase = "plain"  # what generate's entry does, here without Transformers' generate on the stack
     with warnings.catch_warnings(), pytest.raises(ValueError, match="needs a LynxCache that knows its model"):
         warnings.simplefilter("ignore")
-        model.generate(ids, cache=cache, max_new_tokens=4, do_sample=False)
+        model(ids[:, -1:], cache=cache)
     cache = LynxCache(2, P).bind(model)
     cache.put_logits(logits)
     InProcessLoader(kv, Q(method="identity")).attach(cache)

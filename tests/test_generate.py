@@ -143,8 +143,10 @@ def test_bad_calls_are_refused(model_and_tok, shakespeare_ids):
     with pytest.raises(ValueError, match="LynxCache"):
         model.generate(ids, custom_generate=lynx_hf.speculative_generate, max_new_tokens=2)
     model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate, max_new_tokens=2)
-    with pytest.raises(ValueError, match="already used"):
-        model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate, max_new_tokens=2)
+    wrong = ids.clone()
+    wrong[0, 7] = (int(wrong[0, 7]) + 1) % 1000
+    with pytest.raises(ValueError, match="position 7 is token"):  # a turn that contradicts the held conversation
+        model.generate(wrong, cache=cache, custom_generate=lynx_hf.speculative_generate, max_new_tokens=2)
 
 
 def tiny_mha():

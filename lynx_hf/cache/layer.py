@@ -1,7 +1,13 @@
 """`LynxLayer`: one decoder layer's materialised KV — the prompt region dequantized at a tier (None → "anchor" →
 "full") from its `PromptStore`, then the decode-side tail of generated tokens — as a Transformers
 `CacheLayerMixin` (update, crop, mask sizes, batch maps). A full-attention layer holds the whole prompt; a
-sliding-window layer of window W only its last min(P, W) positions, and its mask sizes say so (`offset`)."""
+sliding-window layer of window W only its last min(P, W) positions, and its mask sizes say so (`offset`).
+
+Turns. Once a generation is over, `seal()` turns the layer into plain full-precision KV (the codes are dropped) of
+the positions it holds, [offset, held_end). The next turn's new range [held_end, P') streams in as a new store:
+`begin_range(P')` keeps the sealed prefix (a sliding layer only what its window still needs) and materialises it
+in front of the range at each tier, so drafting runs on prefix + the range's anchor and verification on prefix +
+the range's full tier."""
 from __future__ import annotations
 
 import torch
@@ -27,17 +33,73 @@ class LynxLayer(CacheLayerMixin):
         self.store = PromptStore(prompt_len, self.offset, torch.device(device))
         self.tier = None
         self.rerun = 0  # leading positions of the next update that the layer already holds (plain generate())
+        self.prefix: tuple | None = None  # sealed KV of earlier turns in front of the range: positions [offset, base)
+        self.sealed = False  # plain full-precision KV (no store): crop anywhere its window allows
+
+    # -- turns --------------------------------------------------------------------------------------------------------
+    def seal(self) -> None:
+        """The full tier (and tail) become plain KV: the codes are dropped, the prompt boundary with them."""
+        if not self.is_initialized or self.tier != "full":
+            raise RuntimeError("seal() needs the full tier materialised")
+        self.store = PromptStore(self.end, self.end, self.store.device)  # empty: complete
+        self.prompt_len, self.held, self.sealed = self.end, self.keys.shape[-2], True
+
+    @property
+    def end(self) -> int:
+        """Absolute position after the last KV held (before materialisation: the prompt's length)."""
+        return self.offset + self.keys.shape[-2] if self.is_initialized else self.prompt_len
+
+    def begin_range(self, prompt_len: int) -> None:
+        """A new turn: positions [end, prompt_len) will stream in; the sealed KV before them stays (a sliding
+        layer's only from the first position its window needs at prompt_len)."""
+        base = self.end
+        if not self.sealed or prompt_len <= base:
+            raise RuntimeError(f"begin_range({prompt_len}) needs a sealed layer ending before it (ends at {base})")
+        first = max(self.offset, prompt_len - held_positions(prompt_len, self.sliding_window))
+        keep = max(0, base - first)
+        self.prefix = (self.keys[..., self.keys.shape[-2] - keep:, :], self.values[..., self.values.shape[-2] - keep:, :])
+        self.keys = self.values = None
+        self.is_initialized, self.tier, self.sealed = False, None, False
+        self.offset, self.prompt_len = first, prompt_len
+        self.held = prompt_len - first
+        self.store = PromptStore(prompt_len, max(first, base), self.store.device)
+
+    def append_sealed(self, prompt_len: int) -> None:
+        """A new turn computed here (the tail already holds its KV): the prompt now ends at `prompt_len`."""
+        if not self.sealed or self.end != prompt_len:
+            raise RuntimeError(f"append_sealed({prompt_len}) on a layer ending at {self.end}")
+        self.seal()
+
+    def crop_to(self, length: int) -> None:
+        """Keep absolute positions [offset, length) of a sealed layer; refused where a sliding window would lack the
+        positions it needs at `length` (they were dropped)."""
+        if not self.sealed:
+            raise RuntimeError("crop_to needs a sealed layer")
+        need = length - held_positions(length, self.sliding_window)
+        if need < self.offset:
+            raise ValueError(f"cannot go back to {length} tokens: this sliding-window layer no longer holds positions "
+                             f"[{need}, {self.offset}) (build a new LynxCache from the prefill)")
+        keep = length - self.offset
+        self.keys, self.values = self.keys[..., :keep, :], self.values[..., :keep, :]
+        self.prompt_len, self.held = length, keep
+        self.store = PromptStore(length, length, self.store.device)
 
     # -- tiers (the caller holds no lock: the snapshot was taken under it) ----------------------------------------
     def materialise(self, tier: str, snapshot: dict, dtype: torch.dtype, device) -> None:
         """Dequantize the prompt region at `tier` from `snapshot` ({kind: [(start, segment)]}, codes on `device`),
         in place once the buffers exist: each segment decodes straight into its slice of keys / values."""
         if not self.is_initialized:
-            shape = lambda kind: (*snapshot[kind][0][1].shape[:2], self.held, snapshot[kind][0][1].shape[3])
+            like = {k: snapshot[k][0][1].shape for k in ("key", "value")} if snapshot["key"] else \
+                {"key": self.prefix[0].shape, "value": self.prefix[1].shape}
+            shape = lambda kind: (*like[kind][:2], self.held, like[kind][3])
             self.keys = torch.empty(shape("key"), dtype=dtype, device=device)      # keys: [B, H_kv, held, D]
             self.values = torch.empty(shape("value"), dtype=dtype, device=device)
             self.device, self.dtype = self.keys.device, dtype
             self.is_initialized = True
+            if self.prefix is not None:  # earlier turns' sealed KV, in front of the range
+                n = self.prefix[0].shape[-2]
+                self.keys[..., :n, :].copy_(self.prefix[0])
+                self.values[..., :n, :].copy_(self.prefix[1])
         for kind, buf in (("key", self.keys), ("value", self.values)):
             for s0, seg in snapshot[kind]:
                 a = s0 - self.offset
@@ -47,6 +109,8 @@ class LynxLayer(CacheLayerMixin):
                 else:  # a cache of another dtype than the prefill's KV
                     dst.copy_(dequantize(seg, tier))
         self.tier = tier
+        if tier == "full":
+            self.prefix = None
 
     # -- CacheLayerMixin --------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states, value_states) -> None:

@@ -14,8 +14,15 @@ Two ways to decode from it:
     token is cached) — its KV stands as streamed and its logits are replaced by the prefill's exact ones (a forward
     hook on the model the cache was built for) — then decodes on the full tier, no drafting.
 
-One cache serves one `generate` call, of the prompt it was prefilled with: `expect_prompt` records the prompt's ids
-and attention mask (`from_prefill` does), and a call with another prompt or mask, or a second call, is refused.
+Turns. The first `generate` takes the prompt the cache was prefilled with (`expect_prompt` records its ids and
+mask; `from_prefill` does) — another prompt or mask is refused. Once a generation is over the cache *holds* the
+conversation: every token's KV but the last one's, and their ids (`held_ids`). A later `generate(ids, cache=...)`
+continues it as Transformers continues any cache: `ids[:, :held]` must equal what it holds (a contradiction is
+refused in one line naming the first differing position, or, with `on_mismatch="crop"`, the KV from there on is
+dropped and recomputed), and only `ids[:, held:]` runs through the model (at least the last token: a turn with no new
+token re-runs it). Over the network the new range arrives instead (`continue_turn` + `begin_range`, then a loader):
+the sealed prefix stays in full precision, the range streams anchor first, and the engine drafts on prefix + anchor.
+`copy.deepcopy(cache)` gives an independent branch of a held conversation.
 
 Memory bound during decode, per layer: packed codes and metadata (≈ 8.5 bits/value of the held prompt, both
 streams), one dequantized prompt in the model dtype ([B, H_kv, S_held, D] for K and for V; the full tier is decoded
@@ -24,7 +31,10 @@ on top (measured against this bound in docs/performance.md). The cache knows not
 its telemetry is a `Trace` (`cache.trace`, `cache.stats`)."""
 from __future__ import annotations
 
+import copy
 import hashlib
+import inspect
+import sys
 import threading
 import time
 import warnings
@@ -47,6 +57,9 @@ PROMPT_MISMATCH = ("generate got another prompt than the one this LynxCache was 
 UNBOUND_PLAIN = ("generate() without custom_generate needs a LynxCache that knows its model, to take the prefill's "
                  "logits for the first step: build it with LynxCache.for_model / from_prefill or call "
                  "cache.bind(model) first (or pass custom_generate=lynx_hf.speculative_generate)")
+BUSY = "this LynxCache is in use by a generate call that has not finished"
+BROKEN = ("a generation on this LynxCache failed part-way, so what it holds is unknown: build a new one from the prefill "
+          "(LynxCache.from_prefill or a new request)")
 PLAIN_GENERATE_HINT = ("LynxCache: generate() without custom_generate waits for the residual stream and decodes on "
                        "the full tier. Pass custom_generate=lynx_hf.speculative_generate to draft on the anchor tier "
                        "while the residual streams in (same output).")
@@ -76,12 +89,18 @@ class LynxCache(Cache):
         self._pending_full = [False] * num_layers  # materialise the full tier at the layer's next update
         self.prefill_logits: torch.Tensor | None = None  # [B, V]: the prefill's last-position logits
         self.loader = None
-        self.used = False  # a generation has consumed this cache (one request per cache)
         self.trace = Trace()
         self._prompt: tuple | None = None  # (key, last token per row, mask or None) of the prompt (expect_prompt)
         self._in_generate = False  # a generate call has this cache (Transformers flagged it as user defined)
-        self.generated = False     # a generation has run on it: it serves no other
+        # fresh: serves the prompt it was filled with; busy / plain: inside a generate (custom_generate / plain);
+        # held: a generation is over, the next generate continues it; broken: a generation failed part-way
+        self._phase, self._before, self._ran, self._first_plain = "fresh", "fresh", False, False
+        self._tokens: torch.Tensor | None = None  # [B, N] CPU long: the ids by absolute position
+        self.on_mismatch = "error"  # or "crop": a turn contradicting the held ids drops the KV from there on
+        self.turns = 0  # generations run on this cache
+        self._pinned = False
         self._hooks: list = []
+        self._model = None   # weakref to the bound model
         self._bound = False  # bind(model) was called: plain generate can take the prefill's first-step logits
 
     @classmethod
@@ -96,6 +115,7 @@ class LynxCache(Cache):
             raise ValueError(f"expect_prompt: input_ids must be [B, {self.prompt_len}], got {tuple(input_ids.shape)}")
         mask = _norm_mask(attention_mask, input_ids)
         self._prompt = (_prompt_key(input_ids, mask), input_ids[:, -1].tolist(), mask)
+        self._tokens = input_ids.detach().long().cpu().clone()
         return self
 
     def check_prompt(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
@@ -111,33 +131,222 @@ class LynxCache(Cache):
 
     @_is_user_defined.setter
     def _is_user_defined(self, value: bool) -> None:
-        # Transformers' generate sets this flag on a cache passed to it, once per call: a second call on one cache
-        # would silently continue the first call's tail (a call refused before it ran leaves the cache usable)
-        if value and self.generated:
-            raise ValueError("this LynxCache was already used for a generation; build a new one per request")
+        # Transformers' generate sets this flag on a cache passed to it, once per call, before its first forward:
+        # here a plain (non-custom) generate call starts — on a held cache it continues the conversation
+        if value:
+            self._enter_plain_generate()
         self._in_generate = bool(value)
+
+    # -- turns --------------------------------------------------------------------------------------------------------
+    @property
+    def held_ids(self) -> torch.Tensor | None:
+        """[B, held]: the ids whose KV this cache holds once a generation is over (None before)."""
+        self._settle()
+        if self._phase != "held":
+            return None
+        return self._tokens[:, :min(self.layers[0].end, self._tokens.shape[1])]
+
+    def _settle(self) -> None:
+        """A plain generate call that ran is over once anything else touches the cache: it holds what was run."""
+        if self._phase == "plain":
+            self._phase = "held" if self._ran else self._before
+            if self._ran:
+                self.turns += 1
+                self.close()
+
+    def _enter_plain_generate(self) -> None:
+        self._settle()
+        g = _generate_locals()
+        if g is not None and callable(g.get("custom_generate")):
+            return  # speculative_generate takes the call
+        if self._phase in ("busy", "broken"):
+            raise ValueError(BUSY if self._phase == "busy" else BROKEN)
+        if g is not None and not self._bound and isinstance(g.get("self"), torch.nn.Module):
+            self.bind(g["self"])
+        self._before, self._ran = self._phase, False
+        if self._phase == "held":
+            if g is None:
+                raise ValueError("continuing a LynxCache needs Transformers' own generate (its input_ids were not found)")
+            mask = (g.get("model_kwargs") or {}).get("attention_mask")
+            self.continue_turn(g["input_ids"], mask)
+            self._first_plain = False
+        else:
+            self._first_plain = True
+        self._phase = "plain"
+
+    def _record(self, ids: torch.Tensor) -> None:
+        """The ids a plain generate runs, by position (the cache's length before the forward)."""
+        pos, n = self.get_seq_length(), ids.shape[1]
+        if self._tokens is None:
+            return
+        if self._tokens.shape[1] < pos + n:
+            grow = self._tokens.new_zeros(self._tokens.shape[0], pos + n - self._tokens.shape[1])
+            self._tokens = torch.cat([self._tokens, grow], 1)
+        self._tokens[:, pos:pos + n] = ids.detach().cpu()
+
+    def _seal_all(self) -> None:
+        """Make the conversation plain full-precision KV (waiting for the residual if it is still streaming)."""
+        if all(l.sealed for l in self.layers):
+            return
+        if any(l.tier != "full" for l in self.layers):
+            with self._lock:
+                gone = self.loader is None and not self._complete("residual")
+            if gone:
+                raise ValueError("this LynxCache cannot be continued: its residual stream was stopped before it landed "
+                                 "(a cache pinned to the anchor tier, or a cancelled request)")
+            self.wait_residual()
+            with self._lock:
+                snaps = [self._snapshot(l) for l in self.layers]
+            for l, snap in zip(self.layers, snaps):
+                if l.tier != "full":
+                    l.materialise("full", snap, self.dtype, self.device)
+        self.close()
+        for l in self.layers:
+            l.rerun = 0
+            l.seal()
+        if self._tokens is not None and self.layers[0].end > self._tokens.shape[1]:  # KV of drafts past an EOS
+            for l in self.layers:
+                l.crop_to(self._tokens.shape[1])
+
+    def continue_turn(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
+        """Make a held cache (or a fresh one, whose prompt `input_ids` extends) ready for the turn `input_ids` [1, L]:
+        check `input_ids[:, :held]` against the ids it holds, drop what a contradiction (`on_mismatch="crop"`) or a
+        turn without a new token leaves behind, and return `start`: positions [start, L) are new (start < L)."""
+        self._settle()
+        if self._phase in ("busy", "plain", "broken"):
+            raise ValueError(BROKEN if self._phase == "broken" else BUSY)
+        if self._tokens is None:
+            raise ValueError("this LynxCache does not know the ids it holds (built without expect_prompt): it cannot "
+                             "be continued")
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1 or self._tokens.shape[0] != 1:
+            raise ValueError("continuing a conversation on a LynxCache takes one row: continue each row on its own "
+                             "cache (copy.deepcopy(cache) then cache.batch_select_indices([row])), or prefill the "
+                             "batch anew with LynxCache.from_prefill")
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            raise ValueError("a continued turn cannot have padding (its attention_mask has zeros)")
+        self._seal_all()
+        self._phase = "held"
+        held, L = self.layers[0].end, input_ids.shape[1]
+        known, ids = self._tokens[0, :held], input_ids[0].detach().cpu().long()
+        m = min(held, L)
+        diff = (ids[:m] != known[:m]).nonzero()
+        if len(diff):
+            d = int(diff[0])
+            if self.on_mismatch != "crop":
+                raise ValueError(f"input_ids contradict the conversation this LynxCache holds: position {d} is token "
+                                 f"{int(ids[d])} here but {int(known[d])} in the cache ({held} tokens held). Pass the "
+                                 f"conversation as the cache holds it (cache.held_ids, then the new tokens), or set "
+                                 f"cache.on_mismatch = 'crop' to drop the cached KV from position {d} on and recompute it")
+            m = d
+        start = min(m, L - 1)
+        if start < held:
+            for l in self.layers:
+                l.crop_to(start)
+        self._tokens = ids[None].clone()
+        return start
+
+    @torch.no_grad()
+    def extend_here(self, model, input_ids: torch.Tensor, start: int) -> None:
+        """Run the new positions [start, L) of `input_ids` through `model` on this cache (after `continue_turn`), as
+        Transformers does with its own caches: their KV joins the held KV in full precision and the last position's
+        logits become the turn's first-token logits. The cache then serves `input_ids` as a fresh prompt."""
+        L = input_ids.shape[1]
+        kw = {}
+        if "position_ids" in inspect.signature(model.forward).parameters:
+            kw["position_ids"] = torch.arange(start, L, device=input_ids.device)[None]
+        out = model(input_ids=input_ids[:, start:], cache=self, use_cache=True, logits_to_keep=1, **kw)
+        for l in self.layers:
+            l.append_sealed(L)
+        self._new_prompt(input_ids)
+        self.prefill_logits = out.logits[:, -1]
+
+    def begin_range(self, input_ids: torch.Tensor) -> "LynxCache":
+        """After `continue_turn`: positions [start, L) of `input_ids` [1, L] will arrive through a loader (anchor
+        first, then residual, then the last position's logits), in front of which the held KV stays."""
+        L = input_ids.shape[1]
+        for l in self.layers:
+            l.begin_range(L)
+        self._new_prompt(input_ids)
+        return self
+
+    def _new_prompt(self, input_ids: torch.Tensor) -> None:
+        self.prompt_len = input_ids.shape[1]
+        self.prefill_logits, self._error = None, None
+        self._pending_full = [False] * len(self.layers)
+        self.trace = Trace()
+        self.expect_prompt(input_ids)
+        self._phase = "fresh"
+
+    def start_generate(self) -> None:
+        """speculative_generate takes the cache (fresh: its prompt was checked)."""
+        if self._phase != "fresh" or self._pinned:
+            raise ValueError(BUSY if self._phase in ("busy", "plain") else BROKEN if self._phase == "broken" else
+                             "this LynxCache was pinned to a tier for plain generate")
+        self._phase = "busy"
+
+    def end_generate(self, sequences: torch.Tensor | None) -> None:
+        """The generation is over: the cache holds `sequences` [B, T] (but the last token's KV); None: it failed.
+        The loader is released once everything it delivers has landed (a held cache is sealed from it)."""
+        if sequences is None:
+            self._phase = "broken"
+            self.close()
+            return
+        self._tokens, self._phase = sequences.detach().long().cpu().clone(), "held"
+        self.turns += 1
+        with self._lock:
+            complete = self._complete("residual") and self.prefill_logits is not None
+        if complete:
+            self.close()
+
+    def __deepcopy__(self, memo):
+        """An independent branch of a held conversation (a fresh cache is sealed first: its residual awaited)."""
+        self._settle()
+        if self._phase in ("busy", "plain", "broken"):
+            raise ValueError(f"copy.deepcopy(LynxCache): {BROKEN if self._phase == 'broken' else BUSY}")
+        self._seal_all()
+        self._phase = "held"
+        new = type(self).__new__(type(self))
+        skip = {"_lock", "_changed", "loader", "_hooks", "_model", "trace"}
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            if k not in skip:
+                setattr(new, k, copy.deepcopy(v, memo))
+        new._lock = threading.Lock()
+        new._changed = threading.Condition(new._lock)
+        new.loader, new._hooks, new._model, new.trace, new._bound = None, [], None, Trace(), False
+        model = self._model() if self._model is not None else None
+        if model is not None:
+            new.bind(model)
+        return new
 
     # -- plain generate: the prefill's exact first-step logits --------------------------------------------------------
     def bind(self, model) -> "LynxCache":
-        """Hook `model` so that a plain `generate(prompt, cache=self)` checks the prompt it re-runs and takes the
-        prefill's logits for it (the hooks act only inside a generate call on this cache, then go)."""
+        """Hook `model` so that a plain `generate(prompt, cache=self)` checks the prompt it re-runs, takes the
+        prefill's logits for it and records the ids it runs (the hooks act only inside a plain generate call on this
+        cache; they go with the cache)."""
         ref = weakref.ref(self)
 
         def pre(module, args, kwargs):
             c = ref()
-            if c is not None and kwargs.get("cache") is c and c._in_generate:
-                c._plain_first_forward(kwargs.get("input_ids"), kwargs.get("attention_mask"))
+            if c is not None and kwargs.get("cache") is c and c._phase == "plain":
+                ids = kwargs.get("input_ids")
+                if c._first_plain:
+                    c._plain_first_forward(ids, kwargs.get("attention_mask"))
+                if ids is not None:
+                    c._record(ids)
+                c._ran = True
 
         def post(module, args, kwargs, output):
             c = ref()
-            if c is not None and kwargs.get("cache") is c and c._in_generate:
+            if c is not None and kwargs.get("cache") is c and c._phase == "plain" and c._first_plain:
+                c._first_plain = False
                 c._plain_first_logits(output)
-                c.unbind()
 
+        self.unbind()
         self._hooks = [model.register_forward_pre_hook(pre, with_kwargs=True),
                        model.register_forward_hook(post, with_kwargs=True)]
         weakref.finalize(self, _remove_hooks, list(self._hooks))
-        self._bound = True
+        self._bound, self._model = True, weakref.ref(model)
         return self
 
     def unbind(self) -> None:
@@ -323,10 +532,8 @@ class LynxCache(Cache):
 
     # -- Transformers' Cache ------------------------------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        if self._in_generate and not self.generated:  # the first forward of a plain generate call
-            if not self._bound:
-                raise ValueError(UNBOUND_PLAIN)
-            self.generated = True
+        if self._phase == "plain" and not self._bound:
+            raise ValueError(UNBOUND_PLAIN)
         if self._pending_full[layer_idx]:
             self._materialise_pending(layer_idx)
         if self.layers[layer_idx].tier is None:
@@ -353,7 +560,7 @@ class LynxCache(Cache):
         """A forward pass without speculative_generate: the full tier, once it has landed; the first forward re-runs
         the prompt's last position (get_seq_length said P - 1), whose streamed KV each layer keeps."""
         warnings.warn(PLAIN_GENERATE_HINT, stacklevel=3)
-        self.pin_tier("full")
+        self._pin("full")
 
     def pin_tier(self, tier: str = "full") -> "LynxCache":
         """Serve plain decoding (`generate` without custom_generate, or forward passes) from one tier, never
@@ -361,9 +568,13 @@ class LynxCache(Cache):
         decodes on the 4-bit anchor alone, unverified (the anchor-only ablation of the evaluation)."""
         if tier not in ("anchor", "full"):
             raise ValueError(f"tier must be 'anchor' or 'full', got {tier!r}")
-        if self.used:
-            raise ValueError("this LynxCache was already used for a generation; build a new one per request")
-        self.used = True
+        self._settle()
+        if self._phase != "fresh" or self.layers[0].tier is not None:
+            raise ValueError("pin_tier serves the prompt a fresh LynxCache was filled with (before any generate)")
+        self._pinned = True
+        return self._pin(tier)
+
+    def _pin(self, tier: str) -> "LynxCache":
         self.wait_residual() if tier == "full" else self.wait_anchors()
         self.set_tier(tier)
         for l in self.layers:
@@ -439,6 +650,19 @@ def _prompt_key(ids: torch.Tensor, mask: torch.Tensor) -> str:
     h.update(ids.detach().long().cpu().numpy().tobytes())
     h.update(mask.numpy().tobytes())
     return h.hexdigest()
+
+
+def _generate_locals() -> dict | None:
+    """The locals of the Transformers `generate` call on the stack (its input_ids, model_kwargs, custom_generate, the
+    model as `self`), or None."""
+    f = sys._getframe(1)
+    for _ in range(16):
+        if f is None:
+            return None
+        if f.f_code.co_name == "generate" and f.f_globals.get("__name__") == "transformers.generation.utils":
+            return f.f_locals
+        f = f.f_back
+    return None
 
 
 def _remove_hooks(handles) -> None:

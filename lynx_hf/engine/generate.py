@@ -71,20 +71,23 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
         warnings.warn("generate(streamer=...) does not reach custom_generate=speculative_generate (Transformers "
                       "hands a callable only its own extra parameters; the streamer got the prompt and nothing "
                       "more): pass the streamer as lynx_streamer=", UserWarning, stacklevel=3)
-    P, n_in = cache.prompt_len, input_ids.shape[1]
+    mask = model_kwargs.get("attention_mask")
+    cache._settle()
+    n_in = input_ids.shape[1]
+    if cache.held_ids is not None or (cache._phase == "fresh" and n_in > cache.prompt_len + 1
+                                      and cache._tokens is not None):
+        # a conversation goes on: only the new positions run here (their KV joins the held KV in full precision)
+        cache.extend_here(model, input_ids, cache.continue_turn(input_ids, mask))
+    P = cache.prompt_len
     if n_in not in (P, P + 1):
         raise ValueError(f"input_ids must be the {P} prompt tokens whose KV the cache holds (optionally followed by "
                          f"the prefill's first token), got {n_in} tokens")
-    mask = model_kwargs.get("attention_mask")
     cache.check_prompt(input_ids[:, :P], None if mask is None else mask[:, :P])
     max_length = getattr(stopping_criteria, "max_length", None)
     max_pos = None if max_length is None else \
         (P if mask is None else int(mask[:, :P].sum(-1).max())) + max_length - P - 1
     refuse_model(model, max_pos)
-    if cache.used:
-        raise ValueError("this LynxCache was already used for a generation; build a new one per request")
-    cache.used = cache.generated = True
-    cache.unbind()  # the plain-generate hooks (LynxCache.bind) have no part in this loop
+    cache.start_generate()
     cache.trace.start()
     streamer = lynx_streamer if lynx_streamer is not None else streamer
     s = DecodeState(model, input_ids, cache, mask, logits_processor, stopping_criteria, gc, streamer)
@@ -93,13 +96,15 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
     if spec.draft_while_waiting and spec.max_draft_steps > 0:
         warn_narrowed(plan)
     s.ragged = plan.ragged
+    ok = False
     try:
         _run(s, plan.mode, bare=n_in == P)
+        ok = True
     except BaseException:
         s.resolve(0)  # provisional drafts never become final when verification did not happen
         raise
     finally:
-        cache.close()
+        cache.end_generate(s.sequences() if ok else None)  # the cache now holds the conversation (or is broken)
         cache.trace.finish()
         if streamer is not None:
             streamer.end()
