@@ -24,13 +24,16 @@ from .quant import SplitKV, encode
 class PromptCapture(DynamicCache):
     """A DynamicCache for the prefill forward (in one pass or in chunks) that hands each layer's needed prompt KV to
     `on_layer(i, k, v, start)` as soon as the layer has produced it (k, v: [B, H_kv, n, D] for prompt positions
-    [start, start + n) among the layer's held ones, the last held_i positions of the prompt)."""
+    [start, start + n) among the layer's held ones, the last held_i positions of the prompt, from `ship_from` on: a
+    continued turn ships only what the decode side does not hold). With `keep`, every pass's KV is also kept per
+    layer in `kept` (the prefill server's prefix cache takes it)."""
 
-    def __init__(self, config, on_layer, prompt_len: int):
+    def __init__(self, config, on_layer, prompt_len: int, ship_from: int = 0, keep: bool = False):
         super().__init__(config=config)
-        self.on_layer, self.prompt_len = on_layer, prompt_len
+        self.on_layer, self.prompt_len, self.ship_from = on_layer, prompt_len, ship_from
         self.held = [held_positions(prompt_len, w) for w in layer_windows(config)]
         self.seen = [0] * len(self.held)
+        self.kept: list | None = [[] for _ in self.held] if keep else None
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if not 0 <= layer_idx < len(self.held):
@@ -39,7 +42,9 @@ class PromptCapture(DynamicCache):
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         s0, n = self.seen[layer_idx], key_states.shape[-2]  # this pass: prompt positions [s0, s0 + n)
         self.seen[layer_idx] = s0 + n
-        lo = max(s0, self.prompt_len - self.held[layer_idx])
+        if self.kept is not None:
+            self.kept[layer_idx].append((key_states, value_states))
+        lo = max(s0, self.prompt_len - self.held[layer_idx], self.ship_from)
         if lo < s0 + n <= self.prompt_len:
             self.on_layer(layer_idx, key_states[:, :, lo - s0:], value_states[:, :, lo - s0:], lo)
         return out

@@ -25,6 +25,8 @@ class Stats:
     verify_s: float = 0.0            # wall time of verification passes
     anchors_at_s: float | None = None     # every anchor in (the engine noticed)
     residual_at_s: float | None = None    # the last residual segment landed (negative: before t0)
+    held_tokens: int = 0             # a continued turn: tokens whose KV the cache held already (not shipped)
+    held_refused: str | None = None  # the prefill side refused what the cache claimed to hold: the whole shipped
 
     def __getitem__(self, key: str):
         if key not in self.keys():

@@ -136,9 +136,9 @@ def test_a_long_transfer_does_not_stall_a_short_request(tiny, monkeypatch):
     queued = threading.Event()  # the long request's prefill is done and its KV queued behind the emulated link
     serve, await_sent, long_rq = P.serve_request, P._await_sent, threading.local()
 
-    def serve_request(model, ch, req, rid, compute=None, chunk=P.PREFILL_CHUNK):
+    def serve_request(model, ch, req, rid, *args):
         long_rq.on = len(req["input_ids"]) == 200
-        return serve(model, ch, req, rid, compute, chunk)
+        return serve(model, ch, req, rid, *args)
 
     def _await_sent(ch, rid, futs, **kw):
         if getattr(long_rq, "on", False):

@@ -609,6 +609,26 @@ class LynxCache(Cache):
         cache.expect_prompt(input_ids, attention_mask)
         return cache, logits.argmax(-1, keepdim=True)
 
+    def add_turn(self, model, input_ids: torch.Tensor, residual_after_steps: int | None = None,
+                 bandwidth_bps: float | None = None) -> torch.Tensor:
+        """The in-process prefill node's answer to a new turn of the conversation this cache holds: it prefills
+        `input_ids` [1, L] in full precision (as a prefill server recomputes what it never saw) and ships only the new
+        positions [held, L), anchor first, with the last position's logits; the held KV stays. Then
+        `model.generate(input_ids, cache=cache, custom_generate=speculative_generate)` drafts on the held prefix plus
+        the new range's anchor and verifies once its residual lands (schedule as in `from_prefill`). Returns the
+        first token [1, 1] (the logits' argmax)."""
+        from ..local import InProcessLoader, prefill
+
+        start = self.continue_turn(input_ids)
+        kv, logits = prefill(model, input_ids)
+        self.begin_range(input_ids)
+        kv = [(k[:, :, k.shape[2] - (self.prompt_len - l.store.offset):], v[:, :, v.shape[2] - (self.prompt_len -
+               l.store.offset):]) for (k, v), l in zip(kv, self.layers)]  # each layer's positions of the range
+        self.put_logits(logits)
+        InProcessLoader(kv, self.quant_config, residual_after_steps, bandwidth_bps).attach(self)
+        self.trace.stats.held_tokens = start
+        return logits.argmax(-1, keepdim=True)
+
     @classmethod
     def from_kv(cls, model, prompt_len: int, kv, logits: torch.Tensor, quant_config: LynxQuantConfig | None = None,
                 residual_after_steps: int | None = None, spec_config: SpecConfig | None = None,

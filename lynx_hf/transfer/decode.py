@@ -1,6 +1,11 @@
 """Decode side: `NetworkLoader` (the LynxCache loader that a receiving thread drives) and `DecodeClient`, which
 sends a request to a prefill server, builds the LynxCache from the KV handshake, and generates with plain
-`model.generate(prompt, cache=..., custom_generate=speculative_generate)`."""
+`model.generate(prompt, cache=..., custom_generate=speculative_generate)`.
+
+Conversations: `DecodeClient.generate(ids, cache=previous)` (or a `Session`, which keeps the cache between turns)
+says in its REQUEST how many tokens the cache holds and their digest; the prefill side ships only the new positions,
+anchor first, which the cache takes as a new range behind its held, full-precision prefix. A refused claim (the
+digest did not match) is answered with the whole prompt, into a new cache, and `stats.held_refused` says why."""
 from __future__ import annotations
 
 import socket
@@ -15,6 +20,7 @@ from ..cache import LynxCache
 from ..config import LynxQuantConfig, SpecConfig
 from ..loader import Loader
 from ..quant.dispatch import prepare
+from .prefix_cache import token_digest
 from .serde import check_residual, to_split, unpack_logits, unpack_segment, warm
 from .session import Channel, client_handshake, resolve_secret
 from .transport import TcpTransport, TlsTcpTransport
@@ -98,7 +104,8 @@ class NetworkLoader(Loader):
         P, cfg = self.p["prompt_len"], self.cache.quant_config
         if not 0 <= layer < self.p["num_layers"]:
             raise WireError(f"segment for layer {layer} of {self.p['num_layers']}")
-        first = self.cache.layers[layer].offset  # a sliding layer holds only its window's last positions
+        first = self.cache.layers[layer].store.offset  # the range's first position this layer takes (a sliding
+        # layer: its window's last positions; a continued turn: nothing before what the cache holds)
         if not (0 < count and first <= start and start + count <= P):
             raise WireError(f"segment of layer {layer}: tokens [{start}, {start + count}) outside [{first}, {P})")
         shape = (B, H, count, D)
@@ -121,6 +128,7 @@ class DecodeClient:
         instead of host/port (e.g. a DistTransport to the prefill rank, whose side runs `server_handshake` and `serve_channel`)."""
         self.model, self.timeout = model, timeout_s
         key = resolve_secret(secret, insecure, host if transport is None else None)
+        self.fp = fingerprint(model)  # before connecting: the handshake's deadline measures the peer, not this side
         if transport is not None:
             t = transport
         elif host is None or port is None:
@@ -135,7 +143,7 @@ class DecodeClient:
         self._rid = 0
         self._broken: BaseException | None = None
         try:
-            client_handshake(self.ch, key, fingerprint(model))
+            client_handshake(self.ch, key, self.fp)
         except BaseException:
             self.ch.close()
             raise
@@ -156,45 +164,65 @@ class DecodeClient:
             raise WireError("the prefill side chose a different codec config")
 
     def generate(self, input_ids: list[int], quant_config: LynxQuantConfig | None = None, max_new_tokens: int = 32,
-                 speculative: bool = True, spec_config: SpecConfig | None = None, **gen_kwargs) -> dict:
+                 speculative: bool = True, spec_config: SpecConfig | None = None, cache: LynxCache | None = None,
+                 keep_cache: bool = False, **gen_kwargs) -> dict:
         """Send the prompt, receive its KV and logits, and generate `max_new_tokens` tokens (the first included)
-        with any generation options (`gen_kwargs`, greedy by default)."""
+        with any generation options (`gen_kwargs`, greedy by default). `cache`: the LynxCache of this conversation's
+        previous turn (result["cache"]); `input_ids` then extends what it holds and only the new positions cross the
+        link. With a cache (or `keep_cache`) the request's streams always run to their end, so that the returned
+        cache can be continued; without, an early stop cancels what is still queued."""
         from ..engine import speculative_generate
 
         if self._broken is not None:
             raise ConnectionError(f"this connection failed earlier ({self._broken}); open a new DecodeClient")
+        keep = keep_cache or cache is not None
         self._rid += 1
-        rid, cfg = self._rid, quant_config or LynxQuantConfig()
-        warm(cfg, self.geometry, len(input_ids), DTYPES[self.geometry["dtype"]])  # the receiver then runs no torch op
+        rid, cfg = self._rid, (cache.quant_config if cache is not None and quant_config is None else
+                               quant_config or LynxQuantConfig())
+        device = next(self.model.parameters()).device
+        ids = torch.tensor([list(map(int, input_ids))], device=device)
+        held = cache.continue_turn(ids) if cache is not None else 0  # waits for the last turn's residual
+        warm(cfg, self.geometry, len(input_ids), DTYPES[self.geometry["dtype"]], held)  # the receiver: no torch op
+        req = {"input_ids": ids[0].tolist(), "quant_config": cfg.to_dict(), "held": held}
+        if held:
+            req["held_digest"] = token_digest(self.fp, cfg.to_dict(), req["input_ids"][:held])
         t0 = time.perf_counter()
         try:
-            self.ch.send_json(FrameType.REQUEST, {"input_ids": list(map(int, input_ids)), "quant_config": cfg.to_dict()},
-                              rid)
+            self.ch.send_json(FrameType.REQUEST, req, rid)
             p = self.ch.recv(self.timeout, FrameType.PROMPT).json()
             self._check_handshake(p, len(input_ids), cfg)
+            if p.get("start") not in (held, 0) or (p.get("start") == 0 and held and not p.get("refused")):
+                raise WireError(f"the prefill side ships from position {p.get('start')!r}, this side holds {held}")
         except BaseException as e:
             self._broken = e
             raise
         spec = spec_config or SpecConfig(max_draft_steps=64 if speculative else 0)
-        # waits are bounded by the loader's per-frame timeout (a silent peer fails the cache), not by the cache's
-        device = next(self.model.parameters()).device
-        cache = LynxCache(p["num_layers"], p["prompt_len"], cfg, spec, dtype=DTYPES[p["dtype"]], device=device,
-                          timeout_s=self.timeout + 600, sliding_windows=p["windows"])
+        if p["start"] == held and cache is not None:  # the new range, behind what the cache holds
+            cache.quant_config, cache.spec_config = cfg, spec
+            cache.begin_range(ids)
+            cache.trace.stats.held_tokens = held
+        else:  # a first turn, or a refused claim: the whole prompt into a new cache
+            # waits are bounded by the loader's per-frame timeout (a silent peer fails the cache), not by the cache's
+            cache = LynxCache(p["num_layers"], p["prompt_len"], cfg, spec, dtype=DTYPES[p["dtype"]], device=device,
+                              timeout_s=self.timeout + 600, sliding_windows=p["windows"]).expect_prompt(ids)
+            cache.trace.stats.held_refused = p.get("refused")
         cache.trace.t0 = t0  # one clock: every figure of this request counts from sending it
         loader = NetworkLoader(self.ch, p, rid, self.timeout).attach(cache)
         try:
-            out = self.model.generate(torch.tensor([list(input_ids)], device=device), cache=cache,
-                                      custom_generate=speculative_generate, max_new_tokens=max_new_tokens,
-                                      **{"do_sample": False, **gen_kwargs})
+            out = self.model.generate(ids, cache=cache, custom_generate=speculative_generate,
+                                      max_new_tokens=max_new_tokens, **{"do_sample": False, **gen_kwargs})
         except BaseException as e:
             self._broken = e
             raise
+        if not keep:
+            cache.close()  # an early stop cancels the frames still queued
         while not loader.done.wait(0.2) and loader.error is None:
             pass  # the stream goes on after an early stop; the receiver's per-frame timeout bounds this
         if loader.error is not None:  # generation completed and verified; the connection is no longer usable
             self._broken = loader.error
         gen, ver = cache.trace.times("draft", "verified"), cache.trace.times("verified")
-        return {"tokens": out[0, len(input_ids):].tolist(), "t0": t0,
+        return {"tokens": out[0, len(input_ids):].tolist(), "t0": t0, "cache": cache, "held_tokens": held,
+                "prefix_hit": p.get("prefix_hit"),
                 # from sending the request (= its arrival at the prefill process, on loopback) to the first token
                 # this process produced (draft or verified), the first verified one (= stats' ttft_verified_s),
                 # and the 32nd verified one
@@ -205,6 +233,10 @@ class DecodeClient:
                 "cancelled": loader.cancelled, "dropped_frames": loader.dropped,
                 "loader_error": None if loader.error is None else str(loader.error)}
 
+    def session(self, **defaults) -> "Session":
+        """A conversation on this connection: each `Session.generate(ids)` continues the previous turn's cache."""
+        return Session(self, **defaults)
+
     @property
     def broken(self) -> bool:
         """A request failed on this connection: it cannot carry another (open a new DecodeClient)."""
@@ -212,3 +244,22 @@ class DecodeClient:
 
     def close(self) -> None:
         self.ch.close()
+
+
+class Session:
+    """One conversation over a DecodeClient: the LynxCache stays here between turns, so each turn's REQUEST says what
+    it holds and only the new positions cross the link. `generate(ids, **kw)` takes the whole conversation so far
+    (e.g. the chat template applied to every message) and returns DecodeClient.generate's result."""
+
+    def __init__(self, client: DecodeClient, **defaults):
+        self.client, self.defaults, self.cache = client, defaults, None
+
+    def generate(self, input_ids: list[int], **kw) -> dict:
+        r = self.client.generate(input_ids, cache=self.cache, keep_cache=True, **{**self.defaults, **kw})
+        self.cache = r["cache"]
+        return r
+
+    @property
+    def held_ids(self) -> list[int]:
+        """The conversation as the cache holds it (every token but the last reply's last one)."""
+        return [] if self.cache is None or self.cache.held_ids is None else self.cache.held_ids[0].tolist()

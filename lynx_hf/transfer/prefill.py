@@ -8,11 +8,16 @@ follow the anchors (FIRST), so the decode side picks the first token with its ow
 
 One forward pass runs at a time (`ComputeQueue`), shortest remaining prompt first: a long prompt prefills
 `chunk` tokens per turn and queues again, so a short request waits for one chunk, not for a whole long prefill.
-While a request waits its client hears PROGRESS frames, and a client that has gone (or cancelled) stops its work."""
+While a request waits its client hears PROGRESS frames, and a client that has gone (or cancelled) stops its work.
+
+A conversation's next turn says what the decode side holds (`held`, with a digest): only positions [held, P) are
+shipped, and a `PrefixCache` shared by the server's connections lets the forward pass start at the longest cached
+prefix (the decode side's generated tokens, which this side never saw, are recomputed)."""
 from __future__ import annotations
 
 import contextlib
 import heapq
+import hmac
 import itertools
 import logging
 import threading
@@ -21,12 +26,13 @@ from concurrent import futures
 
 import torch
 
-from ..arch import kv_geometry
+from ..arch import fingerprint, kv_geometry
 from ..config import LynxQuantConfig
 from ..local import PromptCapture
 from ..quant import encode
+from .prefix_cache import PrefixCache, token_digest
 from .serde import pack_segment, pack_logits
-from .session import Channel
+from .session import Channel, quote_peer
 from .transport import PRIO_ANCHOR, PRIO_END, PRIO_RESIDUAL
 from .wire import MAX_JSON, SEGMENT_TOKENS, FrameType, PeerClosed, Stream, WireError
 
@@ -143,12 +149,31 @@ def max_prompt_tokens(model) -> int:
     return min(MAX_PROMPT, n) if isinstance(n, int) and n > 0 else MAX_PROMPT
 
 
+def held_claim(req: dict, ids: list[int], cfg: LynxQuantConfig, fp: str) -> tuple[int, str | None]:
+    """(first position to ship, why a claim was refused or None) from a REQUEST's `held` / `held_digest`: what the
+    decode side says it holds must be a proper prefix of the prompt whose digest this side computes alike; a digest
+    that does not match ships the whole prompt (held 0) and says why."""
+    held = req.get("held", 0)
+    if type(held) is not int or not 0 <= held < len(ids):
+        raise WireError(f"held must be an int in [0, {len(ids)}) (the prompt's length: at least one new token), "
+                        f"got {quote_peer(held, 40)}")
+    if held == 0:
+        return 0, None
+    digest = req.get("held_digest")
+    if not isinstance(digest, str) or not hmac.compare_digest(digest.encode("ascii", "replace"),
+                                                              token_digest(fp, cfg.to_dict(), ids[:held]).encode()):
+        return 0, f"held_digest does not match the prompt's first {held} tokens (model, codec or ids differ)"
+    return held, None
+
+
 @torch.no_grad()
 def serve_request(model, ch: Channel, req: dict, rid: int, compute: ComputeQueue | None = None,
-                  chunk: int = PREFILL_CHUNK) -> dict:
+                  chunk: int = PREFILL_CHUNK, prefix: PrefixCache | None = None, fp: str | None = None) -> dict:
     """Validate a REQUEST, announce the KV (PROMPT), prefill in chunks of `chunk` tokens while streaming, then
     FIRST (logits) and END. `compute` orders the forward passes of all connections (its turn is held for one chunk);
-    the paced transfer runs on this connection's own sender."""
+    the paced transfer runs on this connection's own sender. A continued turn (`held` > 0, its digest checked) ships
+    only positions [held, P); `prefix` (shared by every connection) supplies the longest cached prefix's KV, so only
+    the tokens past it are computed, and keeps what was computed."""
     ids = req.get("input_ids")
     limit = max_prompt_tokens(model)
     if not (isinstance(ids, list) and len(ids) > 0 and all(type(i) is int for i in ids)):
@@ -163,13 +188,22 @@ def serve_request(model, ch: Channel, req: dict, rid: int, compute: ComputeQueue
     except (ValueError, TypeError) as e:
         raise WireError(f"bad quant_config: {e}") from None
     P = len(ids)
+    held, refused = held_claim(req, ids, cfg, fp or fingerprint(model))
+    if refused:
+        log.warning("request %s: %s; shipping the whole prompt", rid, refused)
     compute = compute or ComputeQueue()
-    prompt = kv_handshake(model, rid, P, cfg)
-    ch.send_json(FrameType.PROMPT, prompt, rid)
     t0 = time.perf_counter()
+    hit, past = prefix.lookup(ids, P - 1) if prefix is not None else (0, None)
+    prompt = {**kv_handshake(model, rid, P, cfg), "start": held, "refused": refused, "prefix_hit": hit}
+    ch.send_json(FrameType.PROMPT, prompt, rid)
     seg = _Segmenter(ch, rid, cfg, P, len(prompt["windows"]))
-    cap = PromptCapture(model.config, seg, P)
+    keep = prefix is not None and prefix.budget > 0
+    cap = PromptCapture(model.config, seg, P, ship_from=held, keep=keep)
     device = next(model.parameters()).device
+    for i, (k, v) in enumerate(past or []):  # the cached prefix: shipped where the decode side lacks it
+        cap.update(k.to(device), v.to(device), i)
+    if keep:
+        cap.kept = [[] for _ in cap.kept]
     last = [time.monotonic()]
 
     def poll():  # while this request waits for the compute: is its client still there, and tell it we are
@@ -180,7 +214,7 @@ def serve_request(model, ch: Channel, req: dict, rid: int, compute: ComputeQueue
 
     compute_s, dropped = 0.0, None
     try:
-        for lo in range(0, P, chunk):
+        for lo in range(hit, P, chunk):
             with compute.turn(P - lo, poll, PROGRESS_S):
                 t = time.perf_counter()
                 out = model(input_ids=torch.tensor([ids[lo:lo + chunk]], device=device), cache=cap, use_cache=True,
@@ -190,6 +224,9 @@ def serve_request(model, ch: Channel, req: dict, rid: int, compute: ComputeQueue
         prefill_s = time.perf_counter() - t0
         seg.futs.append(ch.send_binary(FrameType.FIRST, Stream.CONTROL, rid, pack_logits(out.logits[:, -1]),
                                        PRIO_ANCHOR))
+        if keep:  # what was computed, for the next turn (or another client's copy of this prefix)
+            prefix.insert(ids, hit, [(torch.cat([k for k, _ in parts], 2), torch.cat([v for _, v in parts], 2))
+                                     for parts in cap.kept])
         dropped = _await_sent(ch, rid, seg.futs)
     except Cancelled:
         prefill_s, dropped = time.perf_counter() - t0, ch.t.drop(rid)
@@ -198,7 +235,8 @@ def serve_request(model, ch: Channel, req: dict, rid: int, compute: ComputeQueue
                                        "cancelled": dropped is not None, "dropped": dropped or 0},
                        rid, PRIO_END, wait=False)
     end.result(ch.t.send_timeout_s + 5)
-    return {"prompt_len": P, "prefill_s": prefill_s, "compute_s": compute_s, "sent_s": time.perf_counter() - t0,
+    return {"prompt_len": P, "held": held, "prefix_hit": hit, "computed": P - hit, "refused": refused,
+            "prefill_s": prefill_s, "compute_s": compute_s, "sent_s": time.perf_counter() - t0,
             "dropped_frames": dropped}
 
 
@@ -230,12 +268,14 @@ def _await_sent(ch: Channel, rid: int, futs: list, poll_s: float = 0.05) -> int 
 
 
 def serve_channel(model, ch: Channel, compute: ComputeQueue | None = None, peer: str = "peer",
-                  idle_timeout_s: float = 300.0, chunk: int = PREFILL_CHUNK) -> None:
+                  idle_timeout_s: float = 300.0, chunk: int = PREFILL_CHUNK, prefix: PrefixCache | None = None,
+                  fp: str | None = None) -> None:
     """An authenticated connection's requests on the prefill side, over any transport, until the peer closes or
     stays silent for `idle_timeout_s` (`peer`: how the log names it, already quoted). Wire and connection errors
     propagate to the caller."""
     last = 0
     compute = compute or ComputeQueue()
+    fp = fp or fingerprint(model)  # a continued turn's digest names the model
     while True:
         try:
             f = ch.recv(timeout=idle_timeout_s, limit=MAX_JSON)
@@ -246,5 +286,6 @@ def serve_channel(model, ch: Channel, compute: ComputeQueue | None = None, peer:
         if f.type != FrameType.REQUEST:
             raise WireError(f"expected REQUEST, got {f.type.name}")
         last = f.request_id
-        info = serve_request(model, ch, f.json(), f.request_id, compute, chunk)
-        log.info("request %s from %s: %s", f.request_id, peer, info)
+        info = serve_request(model, ch, f.json(), f.request_id, compute, chunk, prefix, fp)
+        log.info("request %s from %s: %s%s", f.request_id, peer, info,
+                 f"; prefix cache {prefix.stats()}" if prefix is not None and prefix.budget else "")

@@ -114,13 +114,14 @@ def _expected(config: LynxQuantConfig, kind: str, axis: str, shape: tuple, dtype
     return anchor, None if s.residual is None else sig(s.residual), {k: sig(v) for k, v in s.meta.items()}, s.axis
 
 
-def warm(config: LynxQuantConfig, geometry: dict, prompt_len: int, dtype: torch.dtype) -> None:
+def warm(config: LynxQuantConfig, geometry: dict, prompt_len: int, dtype: torch.dtype, start: int = 0) -> None:
     """Work out, on the calling thread, the codec shapes every SEGMENT frame of a `prompt_len`-token prompt will be
     checked against (`kv_geometry`'s windows, kv heads, head dim), so that the receiving thread runs no torch op:
     a parallel op there would start a second OpenMP pool, which makes every parallel region of the decoding thread
     sleep and wake (measured: an 8-node draft step 136 → 108 ms). Unusual segment sizes still work, computed there."""
     B, H, D = geometry["batch"], geometry["kv_heads"], geometry["head_dim"]
-    counts = {c for w in geometry["windows"] for c in segment_counts(held_positions(prompt_len, w))}
+    counts = {c for w in geometry["windows"]  # positions [start, P) of what each layer holds are shipped
+              for c in segment_counts(min(held_positions(prompt_len, w), prompt_len - start))}
     for kind in KINDS:
         for c in sorted(counts):
             for axis in AXES:

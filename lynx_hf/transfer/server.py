@@ -10,7 +10,10 @@ Contract (docs/wire-format.md, "Threat model"):
   authenticated channel. They are closed after `idle_timeout_s` without a request; a client that stops reading
   fails its sends after `send_timeout_s`, and its slot, thread and memory are freed.
 - Peer input never reaches the log unquoted; nothing a peer sends is logged at traceback level.
-- `accept()` failing (EMFILE, ENFILE, ENOBUFS) is logged and retried with back-off; the loop ends only on close()."""
+- `accept()` failing (EMFILE, ENFILE, ENOBUFS) is logged and retried with back-off; the loop ends only on close().
+- The prefix cache (`prefix_cache_mb`, full-precision KV by chained chunk hash) is shared by every authenticated
+  connection: one secret is one tenant; a hit costs a peer nothing it does not know, but its timing says whether a
+  prefix was prefilled before (lynx_hf.transfer.prefix_cache)."""
 from __future__ import annotations
 
 import logging
@@ -26,11 +29,13 @@ from ..errors import ConfigError
 from ..link import LinkEmulator
 from ..quant.dispatch import prepare
 from .prefill import PREFILL_CHUNK, ComputeQueue, serve_channel
+from .prefix_cache import PrefixCache
 from .session import Channel, HandshakeRefused, PeerError, quote_peer, resolve_secret, server_handshake
 from .transport import TcpTransport, TlsTcpTransport
 from .wire import FrameType, WireError
 
 log = logging.getLogger("lynx_hf.prefill")
+PREFIX_CACHE_MB = 512.0  # the prefix cache's default budget (full-precision KV; SmolLM2-135M in fp32: 46 KB a token)
 
 
 @dataclass(eq=False)
@@ -81,9 +86,11 @@ class PrefillServer:
                  bandwidth_bps: float | None = None, latency_s: float = 0.0, handshake_timeout: float = 5.0,
                  max_connections: int = 32, insecure: bool = False, tls_cert: str | None = None,
                  tls_key: str | None = None, max_preauth: int = 128, max_preauth_per_host: int = 96,
-                 idle_timeout_s: float = 300.0, send_timeout_s: float = 30.0, prefill_chunk: int = PREFILL_CHUNK):
+                 idle_timeout_s: float = 300.0, send_timeout_s: float = 30.0, prefill_chunk: int = PREFILL_CHUNK,
+                 prefix_cache_mb: float = PREFIX_CACHE_MB):
         _positive("bandwidth_bps", bandwidth_bps, allow_none=True)
         _positive("latency_s", latency_s, allow_zero=True)
+        _positive("prefix_cache_mb", prefix_cache_mb, allow_zero=True)
         for name, x in (("handshake_timeout", handshake_timeout), ("idle_timeout_s", idle_timeout_s),
                         ("send_timeout_s", send_timeout_s)):
             _positive(name, x)
@@ -109,6 +116,8 @@ class PrefillServer:
         self.sock = socket.create_server((host, port), reuse_port=False)
         self.address = self.sock.getsockname()[:2]
         self.compute = ComputeQueue()
+        self.prefix = PrefixCache(int(prefix_cache_mb * (1 << 20)),
+                                  f"{self.fp}|{next(model.parameters()).dtype}")  # shared by every connection
         self._stop = threading.Event()
         self._lock = threading.Lock()  # the two budgets below
         self._conns = 0
@@ -195,7 +204,7 @@ class PrefillServer:
                 log.warning("refusing %s: %d authenticated connections already", peer, self.max_conn)
                 ch.send_json(FrameType.ERROR, {"error": "server busy: too many connections"}, wait=False).result(1)
                 return
-            serve_channel(self.model, ch, self.compute, peer, self.idle_timeout_s, self.chunk)
+            serve_channel(self.model, ch, self.compute, peer, self.idle_timeout_s, self.chunk, self.prefix, self.fp)
         except HandshakeRefused as e:
             self._preauth_log.warning("refused %s%s: %s", peer, " (evicted)" if pend.evicted else "", e)
         except (WireError, ConnectionError, TimeoutError, OSError) as e:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from ..errors import LynxError
 
 MAGIC = b"LYNX"
-VERSION = 5  # 2: FIRST carries the prefill's logits, PROMPT declares vocab and windows; 3: frame MACs; 4: CANCEL;
-#              5: PROGRESS
+VERSION = 6  # 2: FIRST carries the prefill's logits, PROMPT declares vocab and windows; 3: frame MACs; 4: CANCEL;
+#              5: PROGRESS; 6: REQUEST says what the decode side holds (held, held_digest), PROMPT where shipping starts
 HEADER = struct.Struct("<4sBBBBIII I")  # magic, version, type, stream, flags, request_id, seq, length, crc32
 MAX_PAYLOAD = 64 << 20   # one frame's payload
 MAX_JSON = 4 << 20       # a control payload (prompt ids included)
@@ -39,8 +39,9 @@ class PeerClosed(WireError):
 class FrameType(enum.IntEnum):
     HELLO = 1     # JSON: protocol version, model fingerprint, nonce, HMAC (handshake)
     OK = 2        # JSON: handshake accepted (+ server's HMAC)
-    REQUEST = 3   # JSON: request_id, input_ids, quant config
-    PROMPT = 4    # JSON: KV handshake — layers, windows, batch, kv heads, head dim, dtype, vocab, prompt length, codec
+    REQUEST = 3   # JSON: request_id, input_ids, quant config, held (tokens the decode side holds) and their digest
+    PROMPT = 4    # JSON: KV handshake — layers, windows, batch, kv heads, head dim, dtype, vocab, prompt length, codec,
+    #               start (first position shipped), refused (why a held claim was not taken), prefix_hit
     SEGMENT = 5   # binary: one segment of one layer's K or V, anchor or residual stream
     CHUNK = 5     # the older name of SEGMENT ("chunk" is the codec's μ/σ group of C tokens)
     FIRST = 6     # binary: the prefill's last-position logits [batch, vocab] (tensor table)
