@@ -47,9 +47,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_server(port: int, bandwidth_bps: float, secret: str, model: str | None):
+def _start_server(port: int, bandwidth_bps: float, secret: str, model: str | None, extra: tuple = ()):
     cmd = [sys.executable, "-m", "lynx_hf.cli", "serve-prefill", "--listen", f"127.0.0.1:{port}",
-           "--bandwidth-mbps", str(bandwidth_bps / 1e6)] + (["--model", model] if model else [])
+           "--bandwidth-mbps", str(bandwidth_bps / 1e6)] + (["--model", model] if model else []) + list(extra)
     env = dict(os.environ, LYNX_SECRET=secret)
     # the child's log goes to a file, not a pipe: a pipe nobody drains blocks the server once ~64 KiB accumulate
     log = tempfile.TemporaryFile(mode="w+")
@@ -71,11 +71,12 @@ def _start_server(port: int, bandwidth_bps: float, secret: str, model: str | Non
 
 @contextlib.contextmanager
 def prefill_child(model, bandwidth_bps: float, warmup_ids: list[int], model_name: str | None = None,
-                  timeout_s: float = 120):
-    """A `serve-prefill` child process behind the link emulator, and a DecodeClient connected to it and warmed up
-    (one short request through both processes); the child is stopped on exit."""
+                  timeout_s: float = 120, server_args: tuple = ()):
+    """A `serve-prefill` child process behind the link emulator (`server_args`: more of its flags), and a
+    DecodeClient connected to it and warmed up (one short request through both processes); the child is stopped on
+    exit."""
     secret, port = secrets.token_hex(16), _free_port()
-    proc = _start_server(port, bandwidth_bps, secret, model_name)
+    proc = _start_server(port, bandwidth_bps, secret, model_name, server_args)
     try:
         cli = DecodeClient(model, "127.0.0.1", port, secret=secret, timeout_s=timeout_s)
         cli.generate(warmup_ids, LynxQuantConfig(), max_new_tokens=2)

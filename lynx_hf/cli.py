@@ -24,6 +24,9 @@ def _codec_quality(a):
     print(json.dumps(res))
 
 
+BENCH_OUT = "runs/bench_transfer"
+
+
 def _bench(a):
     if a.what == "transfer" and "shakespeare" in a.prompts:
         from lynx_hf.eval import data
@@ -33,6 +36,14 @@ def _bench(a):
         from lynx_hf.eval import bench_startup
 
         return bench_startup.run(a.json) and None
+    if a.what == "session":
+        from lynx_hf.eval import bench_session
+
+        out = "runs/bench_session" if a.out == BENCH_OUT else a.out
+        bench_session.run(turns=a.turns, bandwidth_mbps=a.bandwidth_mbps, new_tokens=a.new_tokens,
+                          prefix_cache=not a.no_prefix_cache, bf16_whole=a.bf16_whole, model_name=a.model,
+                          out_dir=out, as_json=a.json)
+        return None
     from lynx_hf.eval import bench_codec
 
     if a.what == "codec":
@@ -137,9 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(fn=_codec_quality)
 
     b = _sub(sub, "bench", "benchmarks that print numbers and a final JSON line")
-    b.add_argument("what", choices=["codec", "transfer", "startup"],
+    b.add_argument("what", choices=["codec", "transfer", "session", "startup"],
                    help="codec: encode/decode throughput; transfer: TTFT/TT32T over the two-process path per link "
-                        "speed; startup: `lynx-hf --help` and the default model's load, each in a fresh process")
+                        "speed; session: an agent conversation over the two-process path, each turn's new KV "
+                        "(delta) versus the whole history re-shipped; startup: `lynx-hf --help` and the default "
+                        "model's load, each in a fresh process")
     b.add_argument("--tokens", type=int, default=4096, help="codec: headline size, the KV of this many tokens")
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="codec")
     b.add_argument("--max-mb", type=float, default=1200, help="codec: largest tensor of the size sweep")
@@ -148,9 +161,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192], help="transfer: prompt tokens")
     b.add_argument("--prompts", nargs="+", default=["code", "shakespeare"],
                    help="transfer: 'code' (stdlib source), 'shakespeare' (shared data) or text files")
-    b.add_argument("--new-tokens", type=int, default=32, help="transfer")
-    b.add_argument("--out", default="runs/bench_transfer", help="transfer: results folder (resumable JSONL)")
-    b.add_argument("--model", help="transfer: Hub id or local path (default: embedded SmolLM2-135M-Instruct)")
+    b.add_argument("--new-tokens", type=int, default=32, help="transfer, session: tokens generated per request/turn")
+    b.add_argument("--turns", type=int, default=4, help="session: turns of the conversation (8 reach ~6K tokens)")
+    b.add_argument("--bandwidth-mbps", type=float, default=15.0, help="session: the emulated link")
+    b.add_argument("--no-prefix-cache", action="store_true", help="session: the prefill server keeps no prefix cache")
+    b.add_argument("--bf16-whole", action="store_true", help="session: also re-ship the whole history in BF16")
+    b.add_argument("--out", default=BENCH_OUT,
+                   help="transfer: results folder (resumable JSONL); session: folder for its JSON and PNG "
+                        "(default runs/bench_session)")
+    b.add_argument("--model", help="transfer, session: Hub id or local path (default: embedded SmolLM2-135M-Instruct)")
     b.add_argument("--json", action="store_true", help="print only the final JSON line")
     b.set_defaults(fn=_bench)
 

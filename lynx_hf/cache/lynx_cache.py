@@ -97,7 +97,7 @@ class LynxCache(Cache):
         self._phase, self._before, self._ran, self._first_plain = "fresh", "fresh", False, False
         self._tokens: torch.Tensor | None = None  # [B, N] CPU long: the ids by absolute position
         self.on_mismatch = "error"  # or "crop": a turn contradicting the held ids drops the KV from there on
-        self.turns = 0  # generations run on this cache
+        self._turns = 0  # generations run on this cache
         self._pinned = False
         self._hooks: list = []
         self._model = None   # weakref to the bound model
@@ -139,6 +139,12 @@ class LynxCache(Cache):
 
     # -- turns --------------------------------------------------------------------------------------------------------
     @property
+    def turns(self) -> int:
+        """Generations run on this cache."""
+        self._settle()
+        return self._turns
+
+    @property
     def held_ids(self) -> torch.Tensor | None:
         """[B, held]: the ids whose KV this cache holds once a generation is over (None before)."""
         self._settle()
@@ -151,7 +157,7 @@ class LynxCache(Cache):
         if self._phase == "plain":
             self._phase = "held" if self._ran else self._before
             if self._ran:
-                self.turns += 1
+                self._turns += 1
                 self.close()
 
     def _enter_plain_generate(self) -> None:
@@ -292,7 +298,7 @@ class LynxCache(Cache):
             self.close()
             return
         self._tokens, self._phase = sequences.detach().long().cpu().clone(), "held"
-        self.turns += 1
+        self._turns += 1
         with self._lock:
             complete = self._complete("residual") and self.prefill_logits is not None
         if complete:
@@ -520,10 +526,11 @@ class LynxCache(Cache):
         if loader is not None:
             loader.close()
 
-    def nbytes(self) -> int:
-        """Bytes of the encoded prompt held (both streams, metadata included)."""
+    def nbytes(self, tier: str = "full") -> int:
+        """Bytes of the encoded prompt (a continued turn: its new range) held, metadata included: both streams
+        ("full") or the anchor stream alone ("anchor")."""
         with self._lock:
-            return sum(l.store.nbytes() for l in self.layers)
+            return sum(l.store.nbytes(tier) for l in self.layers)
 
     def staged_bytes(self) -> int:
         """Bytes the stores moved onto the cache's device (codes and metadata; never dequantized KV)."""
@@ -549,12 +556,23 @@ class LynxCache(Cache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
         self._batch_map("reorder_cache", beam_idx)
+        self._map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_select_indices(self, indices: torch.Tensor):
         self._batch_map("batch_select_indices", indices)
+        self._map_rows(lambda t: t[torch.as_tensor(indices).to(t.device)])
 
     def batch_repeat_interleave(self, repeats: int):
         self._batch_map("batch_repeat_interleave", repeats)
+        self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def _map_rows(self, fn) -> None:
+        """The rows' ids and first-token logits follow a batch map of the KV (their prompt record is dropped)."""
+        if self._tokens is not None:
+            self._tokens = fn(self._tokens)
+        if self.prefill_logits is not None:
+            self.prefill_logits = fn(self.prefill_logits)
+        self._prompt = None
 
     def _start_plain_generate(self) -> None:
         """A forward pass without speculative_generate: the full tier, once it has landed; the first forward re-runs

@@ -88,9 +88,9 @@ class PromptStore:
         """(start, segment) in prompt order: a list that later puts do not change (taken under the cache's lock)."""
         return [(s0, self.segments[kind][s0]) for s0 in self._starts[kind]]
 
-    def nbytes(self) -> int:
-        """Bytes of both streams held (what crossed the wire)."""
-        return sum(s.nbytes("full") for kind in KINDS for s in self.segments[kind].values())
+    def nbytes(self, tier: str = "full") -> int:
+        """Bytes held (what crossed the wire): both streams ("full") or the anchor stream alone ("anchor")."""
+        return sum(s.nbytes(tier) for kind in KINDS for s in self.segments[kind].values())
 
     def select(self, fn) -> None:
         """Apply a batch-dimension map (reorder, select, repeat) to every segment's codes and metadata."""

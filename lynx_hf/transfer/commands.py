@@ -74,7 +74,8 @@ def _serve_prefill(a):
                             tls_cert=a.tls_cert, tls_key=a.tls_key, bandwidth_bps=None if bw is None else bw * 1e6,
                             latency_s=a.latency_ms / 1e3, handshake_timeout=a.handshake_timeout,
                             max_preauth=a.max_preauth, max_preauth_per_host=a.max_preauth_per_host,
-                            idle_timeout_s=a.idle_timeout, send_timeout_s=a.send_timeout, prefill_chunk=a.prefill_chunk)
+                            idle_timeout_s=a.idle_timeout, send_timeout_s=a.send_timeout, prefill_chunk=a.prefill_chunk,
+                            prefix_cache_mb=a.prefix_cache_mb)
     except ConfigError as e:
         raise SystemExit(f"lynx-hf serve-prefill: error: {e}")
     logging.getLogger("lynx_hf.prefill").info("serving on %s:%s", *srv.address)
@@ -174,6 +175,9 @@ def register(sub) -> None:
                    help="seconds a client may leave a frame unread before its connection is dropped")
     p.add_argument("--prefill-chunk", type=int, default=1024,
                    help="tokens per forward pass of a long prompt (a short request waits for at most one)")
+    p.add_argument("--prefix-cache-mb", type=float, default=512.0,
+                   help="full-precision KV of prefilled prompts kept for later turns and other clients (LRU, by "
+                        "256-token chunks; 0: off)")
     p.add_argument("--secret", help=SECRET_HELP)
     p.add_argument("--secret-file", help=SECRET_FILE_HELP)
     p.add_argument("--insecure", action="store_true", help="no secret: a publicly known key (loopback only)")

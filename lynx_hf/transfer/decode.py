@@ -228,7 +228,7 @@ class DecodeClient:
                 # and the 32nd verified one
                 "ttft_s": gen[0], "ttft_verified_s": ver[0], "tt32t_s": ver[min(32, len(ver)) - 1],
                 "prefill_s": loader.prefill_s, "stats": cache.stats.as_dict(), "events": list(cache.events),
-                "timeline": list(cache.timeline), "bytes": cache.nbytes(),
+                "timeline": list(cache.timeline), "bytes": cache.nbytes(), "anchor_bytes": cache.nbytes("anchor"),
                 "h2d_bytes": cache.staged_bytes(),
                 "cancelled": loader.cancelled, "dropped_frames": loader.dropped,
                 "loader_error": None if loader.error is None else str(loader.error)}
@@ -251,10 +251,16 @@ class Session:
     it holds and only the new positions cross the link. `generate(ids, **kw)` takes the whole conversation so far
     (e.g. the chat template applied to every message) and returns DecodeClient.generate's result."""
 
-    def __init__(self, client: DecodeClient, **defaults):
-        self.client, self.defaults, self.cache = client, defaults, None
+    def __init__(self, client: DecodeClient, on_mismatch: str = "crop", **defaults):
+        """on_mismatch: what a turn whose ids contradict the held ones does — "crop" (a chat re-templated each turn
+        may re-tokenize earlier text: the cache keeps the common prefix, the rest is shipped) or "error"."""
+        if on_mismatch not in ("crop", "error"):
+            raise ValueError(f"on_mismatch must be 'crop' or 'error', got {on_mismatch!r}")
+        self.client, self.defaults, self.cache, self.on_mismatch = client, defaults, None, on_mismatch
 
     def generate(self, input_ids: list[int], **kw) -> dict:
+        if self.cache is not None:
+            self.cache.on_mismatch = self.on_mismatch
         r = self.client.generate(input_ids, cache=self.cache, keep_cache=True, **{**self.defaults, **kw})
         self.cache = r["cache"]
         return r

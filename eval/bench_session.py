@@ -1,0 +1,216 @@
+"""`lynx-hf bench session`: an agent's conversation between two processes over an emulated link — each turn a real
+tool output (Python standard-library source, 500–800 tokens) and the assistant's generated reply — with the whole
+history re-shipped every turn ("whole") or only the turn's new positions ("delta", the decode side keeps the
+conversation's LynxCache and the prefill side its prefix cache).
+
+The conversation: a system prompt of ~1K tokens describing tools (their standard-library docstrings), then per turn a
+tool message and the assistant's reply of `--new-tokens` tokens (at least 32: TT32T). Every arm runs its own copy of
+the conversation (replies are the arm's own, all of one length); the arms take their turns interleaved, so a busy
+moment of the machine falls on all of them. Per turn and arm: TTFT (first token), first verified token, TT32T,
+bytes on the wire (anchor / residual), the positions shipped and those the prefill side computed (past its prefix
+hit), and for Lynx `identical`: the turn's tokens equal the same KV decoded without drafts (a plain generate on the
+turn's cache from its first token: one-token steps on the full tier). Progress bar; a PNG of TTFT per turn by arm;
+one JSON line at the end, {"arms": {"lynx/delta": [per turn], "lynx/whole": [...], ...}, ...}."""
+from __future__ import annotations
+
+import inspect
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import lynx_hf
+from lynx_hf import LynxQuantConfig, SpecConfig
+
+from .demo import prefill_child
+
+CODECS = {"bf16": LynxQuantConfig(method="bf16"), "int8": LynxQuantConfig(method="int8"),
+          "int4": LynxQuantConfig(method="kivi4"), "cachegen": LynxQuantConfig(method="cachegen"),
+          "lynx": LynxQuantConfig()}
+WHOLE = ("int8", "int4", "lynx")                        # whole history re-shipped every turn (+ bf16 with --bf16-whole)
+DELTA = ("bf16", "int8", "int4", "cachegen", "lynx")   # only the new positions
+TOOLS = ("shutil.copytree", "shutil.rmtree", "shutil.which", "subprocess.run", "os.walk", "os.makedirs",
+         "glob.glob", "fnmatch.fnmatch", "json.loads", "re.sub", "difflib.unified_diff", "tempfile.mkstemp")
+SOURCES = ("textwrap", "json.decoder", "argparse", "tokenize", "pathlib", "difflib", "configparser", "csv",
+           "ftplib", "calendar", "gettext", "shlex")
+
+
+def _obj(path: str):
+    """A module ("json.decoder") or a module's attribute ("shutil.which")."""
+    import importlib
+
+    try:
+        return importlib.import_module(path)
+    except ImportError:
+        mod, _, name = path.rpartition(".")
+        return getattr(importlib.import_module(mod), name)
+
+
+class Chat:
+    """Token-level ChatML fragments (the embedded model's format; other tokenizers get plain role lines)."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.chatml = "<|im_start|>" in tok.get_vocab()
+
+    def ids(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False).input_ids
+
+    def message(self, role: str, text: str) -> list[int]:
+        return self.ids(f"<|im_start|>{role}\n{text}<|im_end|>\n" if self.chatml else f"{role}: {text}\n\n")
+
+    def reply_start(self) -> list[int]:
+        return self.ids("<|im_start|>assistant\n" if self.chatml else "assistant: ")
+
+    def reply_end(self) -> list[int]:
+        return self.ids("<|im_end|>\n" if self.chatml else "\n\n")
+
+
+def conversation(tok, turns: int, seed: int = 0, system_tokens: int = 1024) -> tuple[list[int], list[list[int]]]:
+    """(system prompt ids, the tool messages' ids per turn, reply prompt included), from standard-library text."""
+    chat, rng = Chat(tok), random.Random(seed)
+    desc = "".join(f"- {p}{inspect.signature(_obj(p))}: {inspect.getdoc(_obj(p))}\n" for p in TOOLS)
+    head = ("You are a coding agent working in a Python repository. Call a tool by writing its name and arguments; "
+            "each tool's output comes back in a message from the tool. Tools:\n")
+    system = chat.ids(head + desc)[:system_tokens - 16]
+    system = chat.message("system", tok.decode(system))
+    first_user = chat.message("user", "Read the modules the tools show you and summarise what each one does.")
+    msgs = []
+    for t in range(turns):
+        src = chat.ids(inspect.getsource(_obj(SOURCES[t % len(SOURCES)])))
+        n = rng.randint(500, 800)
+        a = rng.randint(0, max(0, len(src) - n))
+        msgs.append(chat.message("tool", tok.decode(src[a:a + n])) + chat.reply_start())
+    return system + first_user, msgs
+
+
+def _turn_row(r: dict, turn: int, ids: list[int], identical) -> dict:
+    return {"turn": turn, "new_tokens": len(ids) - r["held_tokens"], "total_tokens": len(ids),
+            "held_tokens": r["held_tokens"], "ttft_s": r["ttft_s"], "ttft_verified_s": r["ttft_verified_s"],
+            "tt32t_s": r["tt32t_s"], "wire_bytes": r["bytes"], "anchor_bytes": r["anchor_bytes"],
+            "residual_bytes": r["bytes"] - r["anchor_bytes"],
+            "prefill_tokens": len(ids) - (r.get("prefix_hit") or 0), "prefill_s": r["prefill_s"],
+            "drafted": r["stats"]["drafted"], "accepted": r["stats"]["accepted"], "identical": identical}
+
+
+def no_draft_reference(model, cache, ids: list[int], tokens: list[int]) -> list[int]:
+    """The turn's tokens decoded again from the same KV without drafts: the cache goes back to the turn's prompt and
+    first token (which came from the prefill's logits) and plain generate takes one-token steps on the full tier."""
+    start = torch.tensor([ids + tokens[:1]])
+    out = model.generate(start, cache=cache, max_new_tokens=len(tokens) - 1, min_new_tokens=len(tokens) - 1,
+                         do_sample=False)
+    return tokens[:1] + out[0, start.shape[1]:].tolist()
+
+
+def run(turns: int = 4, bandwidth_mbps: float = 15.0, new_tokens: int = 32, prefix_cache: bool = True,
+        bf16_whole: bool = False, model_name: str | None = None, out_dir: str = "runs/bench_session",
+        as_json: bool = False, seed: int = 0) -> dict:
+    say = (lambda *a: print(*a, file=sys.stderr)) if as_json else print
+    if new_tokens < 32:
+        raise ValueError("--new-tokens must be at least 32 (TT32T)")
+    model, tok = lynx_hf.load_default_model(model_name)
+    system, msgs = conversation(tok, turns, seed)
+    chat = Chat(tok)
+    plan = [(f"{c}/whole", c, False) for c in (("bf16",) if bf16_whole else ()) + WHOLE] + \
+           [(f"{c}/delta", c, True) for c in DELTA]
+    conv = {name: list(system) for name, _, _ in plan}
+    arms = {name: [] for name, _, _ in plan}
+    server_args = ("--prefix-cache-mb", "4096" if prefix_cache else "0")
+    say(f"starting the prefill process (link emulator {bandwidth_mbps:g} Mbit/s, prefix cache "
+        f"{'on' if prefix_cache else 'off'}) ...")
+    t_start = time.perf_counter()
+    with prefill_child(model, bandwidth_mbps * 1e6, system[:64], model_name, timeout_s=300,
+                       server_args=server_args) as cli:
+        sessions = {name: cli.session(quant_config=CODECS[c], spec_config=SpecConfig(max_draft_steps=64))
+                    for name, c, delta in plan if delta}
+        bar = tqdm(total=turns * len(plan), desc="turns x arms", file=sys.stderr)
+        for t in range(turns):
+            for name, c, delta in plan:
+                ids = conv[name] + msgs[t]
+                gen = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens}
+                if delta:
+                    r = sessions[name].generate(ids, **gen)
+                else:
+                    r = cli.generate(ids, CODECS[c], keep_cache=True, spec_config=SpecConfig(max_draft_steps=64),
+                                     **gen)
+                identical = None
+                if c == "lynx":
+                    ref = no_draft_reference(model, r["cache"], ids, r["tokens"])
+                    identical = ref == r["tokens"]
+                    r["tokens"] = ref  # the conversation goes on with what the cache now holds
+                arms[name].append(_turn_row(r, t + 1, ids, identical))
+                conv[name] = ids + r["tokens"] + chat.reply_end()
+                bar.update(1)
+        bar.close()
+    wall = time.perf_counter() - t_start
+    _table(arms, say)
+    res = {"arms": arms, "turns": turns, "bandwidth_mbps": bandwidth_mbps, "new_tokens": new_tokens,
+           "prefix_cache": prefix_cache, "wall_s": round(wall, 1), "ratios": _ratios(arms)}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_session.json").write_text(json.dumps(res, indent=2))
+    try:
+        plot(arms, out / "bench_session.png", bandwidth_mbps)
+        say(f"wrote {out / 'bench_session.json'} and {out / 'bench_session.png'}")
+    except ImportError:
+        say(f"wrote {out / 'bench_session.json'} (install matplotlib for the PNG)")
+    print(json.dumps(res))
+    return res
+
+
+def _ratios(arms: dict) -> dict:
+    """The last turn's headline ratios (what docs/results.md and the acceptance check read)."""
+    last = {k: v[-1] for k, v in arms.items()}
+    ld, lw, i4, i8 = (last.get(k) for k in ("lynx/delta", "lynx/whole", "int4/delta", "int8/delta"))
+    if not all((ld, lw, i4, i8)):
+        return {}
+    return {"lynx_delta_vs_whole_ttft": ld["ttft_s"] / lw["ttft_s"], "lynx_vs_int4_delta_ttft": ld["ttft_s"] / i4["ttft_s"],
+            "lynx_vs_int8_delta_tt32t": ld["tt32t_s"] / i8["tt32t_s"],
+            "bytes_per_token_delta_vs_whole": (ld["wire_bytes"] / ld["new_tokens"]) /
+                                              (lw["wire_bytes"] / lw["total_tokens"]),
+            "lynx_identical": all(t["identical"] for k, v in arms.items() if k.startswith("lynx/") for t in v)}
+
+
+def _table(arms: dict, say) -> None:
+    say(f"\n{'arm':15s} {'turn':>4s} {'tokens':>7s} {'shipped':>7s} {'computed':>8s} {'TTFT s':>7s} {'verified':>8s} "
+        f"{'TT32T s':>8s} {'MB':>6s} {'drafted/acc':>11s} identical")
+    for name, rows in arms.items():
+        for r in rows:
+            say(f"{name:15s} {r['turn']:4d} {r['total_tokens']:7d} {r['new_tokens']:7d} {r['prefill_tokens']:8d} "
+                f"{r['ttft_s']:7.2f} {r['ttft_verified_s']:8.2f} {r['tt32t_s']:8.2f} {r['wire_bytes'] / 1e6:6.2f} "
+                f"{r['drafted']:5d}/{r['accepted']:<5g} {'' if r['identical'] is None else r['identical']}")
+    rat = _ratios(arms)
+    if rat:
+        say(f"last turn: Lynx delta TTFT {rat['lynx_delta_vs_whole_ttft']:.2f}x whole-history, "
+            f"{rat['lynx_vs_int4_delta_ttft']:.2f}x INT4 delta; TT32T {rat['lynx_vs_int8_delta_tt32t']:.2f}x INT8 delta; "
+            f"bytes/token delta vs whole {rat['bytes_per_token_delta_vs_whole']:.2f}; every Lynx turn identical: "
+            f"{rat['lynx_identical']}")
+
+
+def plot(arms: dict, path: Path, bandwidth_mbps: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    colors = {c: f"C{i}" for i, c in enumerate(CODECS)}
+    for name, rows in arms.items():
+        codec, how = name.split("/")
+        ax.plot([r["turn"] for r in rows], [r["ttft_s"] for r in rows], marker="o" if how == "delta" else "s",
+                color=colors[codec], ls="--" if how == "whole" else "-", label=name)
+    ax.set_xticks(sorted({r["turn"] for rows in arms.values() for r in rows}))
+    ax.set_xlabel("turn")
+    ax.set_ylabel("TTFT (s)")
+    ax.set_yscale("log")
+    ax.set_title(f"Agent conversation over a {bandwidth_mbps:g} Mbit/s link: TTFT per turn\n"
+                 f"(whole: the history re-shipped each turn; delta: only the turn's new KV)")
+    ax.legend(fontsize=8, ncol=2)
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
