@@ -6,7 +6,9 @@ of this runtime (hub_folder.py; Transformers copies the files into its module ca
 lynx_config.json by path). A string
 `custom_generate` receives every `generate()` argument unprepared — None for what the caller left unset — unlike a
 callable, which gets only its extra parameters. `hub_generate` keeps what carries a value, refuses what Lynx cannot
-honour, prefills locally into a LynxCache unless the caller passed one, and hands over to `speculative_generate`."""
+honour, prefills locally into a LynxCache unless the caller passed one, and hands over to `speculative_generate`.
+A conversation goes on as with any cache: pass the previous turn's cache (`return_dict_in_generate=True` returns it
+as `.cache`) with the whole conversation's ids; only the new positions run."""
 from __future__ import annotations
 
 from .cache import LynxCache

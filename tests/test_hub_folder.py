@@ -46,7 +46,18 @@ try:
     beams = "accepted"
 except ValueError as e:
     beams = str(e)
+# a conversation goes on: turn 2 on the cache turn 1 returned, as with Transformers' own DynamicCache
+from transformers import DynamicCache
+more = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(4))
+o1 = m.generate(ids, custom_generate={folder!r}, trust_remote_code=True, max_new_tokens=8, do_sample=False,
+                eos_token_id=None, return_dict_in_generate=True)
+o2 = m.generate(torch.cat([o1.sequences, more], 1), custom_generate={folder!r}, trust_remote_code=True,
+                cache=o1.cache, max_new_tokens=8, do_sample=False, eos_token_id=None)
+dc = DynamicCache(config=m.config)
+r1 = m.generate(ids, cache=dc, max_new_tokens=8, do_sample=False, eos_token_id=None)
+r2 = m.generate(torch.cat([r1, more], 1), cache=dc, max_new_tokens=8, do_sample=False, eos_token_id=None)
 print(json.dumps({{"equal": torch.equal(plain, got), "drafts": s.provisional, "beams": beams,
+                  "turns": torch.equal(o1.sequences, r1) and torch.equal(o2, r2),
                   "lynx_loaded": any(k == "lynx_hf" or k.startswith("lynx_hf.") for k in sys.modules)}}))
 """
 
@@ -74,5 +85,6 @@ def test_the_folder_generates_where_lynx_hf_cannot_be_imported(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r["equal"] and not r["lynx_loaded"]
+    assert r["turns"]  # turn 2 on turn 1's returned cache = Transformers' multi-turn pattern
     assert r["drafts"] > 0  # it drafted on the anchor (residual after 3 steps) and verified
     assert "num_beams" in r["beams"] or "beam" in r["beams"], r["beams"]

@@ -121,9 +121,10 @@ def _serve_decode(a):
     model, tok = lynx_hf.load_default_model(a.model)
     connect = lambda: DecodeClient(model, host, port, secret=secret, insecure=a.insecure, tls=a.tls, tls_ca=a.tls_ca,
                                    timeout_s=a.timeout)
-    cli = None
+    cli = sess = None
     cfg = LynxQuantConfig.from_pretrained(a.lynx_config) if a.lynx_config else LynxQuantConfig(method=a.method)
     failed = False
+    messages: list[dict] = []  # --session: the conversation so far (the chat template renders it each turn)
 
     def fail(msg: str) -> None:  # one JSON line for the caller's parser, one line on stderr for a person
         nonlocal failed
@@ -138,14 +139,24 @@ def _serve_decode(a):
         try:
             if cli is None:
                 cli = connect()
-            r = cli.generate(tok(text).input_ids, cfg, max_new_tokens=a.max_new_tokens, speculative=not a.no_drafts)
-        except (LynxError, ConnectionError, TimeoutError, OSError) as e:
+            kw = dict(max_new_tokens=a.max_new_tokens, speculative=not a.no_drafts)
+            if a.session:  # the conversation's next user turn: only its new positions cross the link
+                sess = sess or cli.session()
+                ids = tok.apply_chat_template(messages + [{"role": "user", "content": text}],
+                                              add_generation_prompt=True, tokenize=True, return_dict=False)
+                r = sess.generate(ids, quant_config=cfg, **kw)
+                messages += [{"role": "user", "content": text},
+                             {"role": "assistant", "content": tok.decode(r["tokens"], skip_special_tokens=True)}]
+            else:
+                r = cli.generate(tok(text).input_ids, cfg, **kw)
+        except (LynxError, ConnectionError, TimeoutError, OSError, ValueError) as e:
             fail(f"{label}: {e}")
             if cli is not None and cli.broken:
                 cli.close()
-                cli = None  # the next prompt opens a new connection
+                cli = sess = None  # the next prompt opens a new connection (a session then re-ships its history)
             continue
-        print(json.dumps({"text": tok.decode(r["tokens"]), "tokens": r["tokens"], "bytes": r["bytes"],
+        print(json.dumps({"text": tok.decode(r["tokens"], skip_special_tokens=a.session), "tokens": r["tokens"],
+                          "bytes": r["bytes"], "held_tokens": r["held_tokens"],
                           **{k: r[k] for k in ("ttft_s", "ttft_verified_s", "tt32t_s")},
                           "drafted": r["stats"]["drafted"], "accepted": r["stats"]["accepted"]}), flush=True)
     if cli is not None:
@@ -197,6 +208,9 @@ def register(sub) -> None:
     codec.add_argument("--method", default="lynx", choices=list(METHODS), help="the KV codec")
     codec.add_argument("--lynx-config", help="the codec from a lynx_config.json (folder, file or Hub repo), e.g. "
                                              "written by `lynx-hf calibrate`")
+    q.add_argument("--session", action="store_true",
+                   help="one conversation: each prompt is the next user turn (the chat template renders the whole "
+                        "conversation; the decode side keeps its KV, so only each turn's new tokens cross the link)")
     q.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt")
     q.add_argument("--timeout", type=float, default=30.0,
                    help="seconds of silence from the server before a request fails (a queued request hears "
