@@ -316,5 +316,9 @@ def _write(report: dict, out: str, model_name, questions, contexts, residual_aft
                   f"tokens): **{c['lynx_equals_full']} of {c['n']}** questions; drafts accepted {c['accepted']} of "
                   f"{c['drafted']}.", ""]
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text("\n".join(lines))
+    from .bench_session import SECTION  # `lynx-hf bench session --results` owns that section: it stays
+
+    old = Path(out).read_text() if Path(out).exists() else ""
+    kept = old[old.find(SECTION):] if SECTION in old else ""
+    Path(out).write_text("\n".join(lines) + ("\n" + kept if kept else ""))
     Path(out).with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")

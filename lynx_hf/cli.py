@@ -42,7 +42,7 @@ def _bench(a):
         out = "runs/bench_session" if a.out == BENCH_OUT else a.out
         bench_session.run(turns=a.turns, bandwidth_mbps=a.bandwidth_mbps, new_tokens=a.new_tokens,
                           prefix_cache=not a.no_prefix_cache, bf16_whole=a.bf16_whole, model_name=a.model,
-                          out_dir=out, as_json=a.json)
+                          out_dir=out, as_json=a.json, results=a.results)
         return None
     from lynx_hf.eval import bench_codec
 
@@ -166,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--bandwidth-mbps", type=float, default=15.0, help="session: the emulated link")
     b.add_argument("--no-prefix-cache", action="store_true", help="session: the prefill server keeps no prefix cache")
     b.add_argument("--bf16-whole", action="store_true", help="session: also re-ship the whole history in BF16")
+    b.add_argument("--results", metavar="FILE",
+                   help="session: also write its section of this results file (e.g. docs/results.md)")
     b.add_argument("--out", default=BENCH_OUT,
                    help="transfer: results folder (resumable JSONL); session: folder for its JSON and PNG "
                         "(default runs/bench_session)")

@@ -104,6 +104,7 @@ class Proxy:
         try:
             while chunk := a.recv(65536):
                 b.sendall(chunk)
+            b.shutdown(socket.SHUT_WR)  # the client closed: pass its end of stream on, as a TCP proxy does
         except OSError:
             pass
 

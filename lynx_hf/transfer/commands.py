@@ -155,7 +155,8 @@ def _serve_decode(a):
                 cli.close()
                 cli = sess = None  # the next prompt opens a new connection (a session then re-ships its history)
             continue
-        print(json.dumps({"text": tok.decode(r["tokens"], skip_special_tokens=a.session), "tokens": r["tokens"],
+        text = tok.decode(r["tokens"], skip_special_tokens=True) if a.session else tok.decode(r["tokens"])
+        print(json.dumps({"text": text, "tokens": r["tokens"],
                           "bytes": r["bytes"], "held_tokens": r["held_tokens"],
                           **{k: r[k] for k in ("ttft_s", "ttft_verified_s", "tt32t_s")},
                           "drafted": r["stats"]["drafted"], "accepted": r["stats"]["accepted"]}), flush=True)
