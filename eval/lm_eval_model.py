@@ -130,7 +130,9 @@ def _with_ours(include_path):
     return [*paths, TASKS_DIR]
 
 
-PREFACE = """lynx-hf eval: lm-eval's own CLI (every flag below works unchanged), plus
+PREFACE = """lynx-hf eval: lm-eval's own CLI, every flag unchanged (`lynx-hf eval run --help` lists them; the ones a
+user needs: --model lynx --model_args ... --tasks T1,T2 --limit N --num_fewshot K --batch_size B --output_path DIR
+--log_samples --metadata JSON --device cpu|cuda), plus --debug (a traceback instead of a one-line error), and
   --model lynx        the KV-mode model: --model_args kv=MODE[,pretrained=HUB_ID_OR_FOLDER][,lynx_config=DIR]
                       [,residual_after=N][,bandwidth_mbps=X]; MODE is one of {modes}
                       (default: lynx; pretrained defaults to the embedded SmolLM2-135M-Instruct)
@@ -208,19 +210,32 @@ def cli(argv: list[str]) -> None:
 
         __init__._lynx = True
         TaskManager.__init__ = __init__
+    debug = "--debug" in argv or bool(os.environ.get("LYNX_DEBUG"))
+    argv = [a for a in argv if a != "--debug"]
     sys.argv = ["lynx-hf eval", *argv]
     online = [t for t in tasks if t in DOWNLOADS]
-    if not online:
-        return lm_main.cli_evaluate()
     try:
-        lm_main.cli_evaluate()
-    except Exception as e:  # noqa: BLE001 — narrowed below: only a failed download becomes the one-line message
-        if not _is_download_error(e):
+        return lm_main.cli_evaluate()
+    except Exception as e:  # noqa: BLE001 — narrowed below: a user's mistake becomes one line, a bug a traceback
+        if online and _is_download_error(e):
+            raise SystemExit(f"lynx-hf eval: {', '.join(online)} fetch{'es' if len(online) == 1 else ''} data from "
+                             f"the internet (RULER's Paul Graham essays, SQuAD or HotpotQA) and the download failed "
+                             f"({type(e).__name__}: {str(e)[:160]}). Tasks that build their data offline: "
+                             f"{', '.join(OFFLINE)}") from None
+        if debug or not _users_mistake(e):
             raise
-        raise SystemExit(f"lynx-hf eval: {', '.join(online)} fetch{'es' if len(online) == 1 else ''} data from the "
-                         f"internet (RULER's Paul Graham essays, SQuAD or HotpotQA) and the download failed "
-                         f"({type(e).__name__}: {str(e)[:160]}). Tasks that build their data offline: "
-                         f"{', '.join(OFFLINE)}") from None
+        raise SystemExit(f"lynx-hf eval: error: {str(e).splitlines()[0] if str(e) else type(e).__name__} "
+                         f"(--debug shows the traceback)") from None
+
+
+def _users_mistake(e: BaseException) -> bool:
+    """A bad --model_args value (ConfigError), a model path or file that does not exist, a Hub id not found."""
+    from lynx_hf.errors import LynxError
+
+    mod = type(e).__module__ or ""
+    return isinstance(e, (LynxError, FileNotFoundError, IsADirectoryError, NotADirectoryError)) or (
+        isinstance(e, OSError) and ("does not appear to have" in str(e) or "is not a local folder" in str(e))) or \
+        mod.startswith("huggingface_hub")
 
 
 # RULER tasks whose haystack or questions come from the internet; the others build their data here

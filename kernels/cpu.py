@@ -8,8 +8,8 @@ operations in the same order, -ffp-contract=off; asserted with tolerance 0 in te
   encode_codes_cpu  ≡ lynx.encode_codes   (normalise, code, split, pack)
   decode_codes_cpu  ≡ lynx.decode_codes   (unpack, look up, de-normalise; anchor or full tier)
 
-Build: `cc -O3 -march=native -ffp-contract=off` (CC overrides the compiler) into $LYNX_CACHE_DIR, else
-~/.cache/lynx_hf, keyed by a hash of the source, the flags and the CPU's model and features; `available()` says whether it built,
+Build: `cc -O3 -march=native -ffp-contract=off` (CC overrides the compiler) into $LYNX_CACHE/kernels, else
+$XDG_CACHE_HOME/lynx-hf/kernels or ~/.cache/lynx-hf/kernels, keyed by a hash of the source, the flags and the CPU's model and features; `available()` says whether it built,
 and the reason if not (no compiler: the torch paths run instead, see quant/dispatch.py)."""
 from __future__ import annotations
 
@@ -75,7 +75,10 @@ _build_lock = threading.Lock()
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("LYNX_CACHE_DIR") or Path.home() / ".cache" / "lynx_hf")
+    """$LYNX_CACHE/kernels, else $XDG_CACHE_HOME/lynx-hf/kernels, else ~/.cache/lynx-hf/kernels (the one cache root
+    lynx-hf uses, as lynx_hf.model.cache_root)."""
+    base = os.environ.get("LYNX_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lynx-hf"
+    return Path(base) / "kernels"
 
 
 def _cpu_id() -> str:

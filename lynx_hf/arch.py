@@ -53,6 +53,53 @@ def kv_geometry(model) -> dict:
             "vocab": logits_width(model)}
 
 
+def refuse_encoder_decoder(model) -> None:
+    """LynxCache holds a decoder-only model's self-attention KV; an encoder-decoder's decoder also attends to its
+    encoder's output (cross-attention), which no transfer carries."""
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise ValueError(f"LynxCache serves decoder-only models: this {getattr(cfg, 'model_type', 'model')} is an "
+                         f"encoder-decoder (its decoder also attends to the encoder's output, which a transferred KV "
+                         f"does not carry); use plain generate, or the model's causal-LM decoder alone")
+
+
+MEDIA_PREFIXES = ("pixel_", "image_", "video_", "input_features", "audio_", "feature_attention_mask",
+                  "second_per_grid_ts")
+
+
+def media_key(media: dict) -> str | None:
+    """A digest of media inputs (names, shapes, dtypes, bytes): the cache compares generate's with its prefill's."""
+    if not media:
+        return None
+    h = hashlib.sha256()
+    for k in sorted(media):
+        v = media[k]
+        h.update(k.encode())
+        if isinstance(v, torch.Tensor):
+            h.update(f"{tuple(v.shape)}{v.dtype}".encode())
+            h.update(v.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes() if v.numel() else b"")
+        else:
+            h.update(repr(v).encode())
+    return h.hexdigest()
+
+
+def media_inputs(kwargs: dict) -> dict:
+    """The non-text model inputs among generate's / a forward's keyword arguments (images, video, audio)."""
+    return {k: v for k, v in kwargs.items() if k.startswith(MEDIA_PREFIXES) and v is not None}
+
+
+def refuse_media_positions(model, media: dict) -> None:
+    """Models whose positions depend on the images (M-RoPE: Qwen2-VL and kin keep rope deltas from the prompt that a
+    decode step needs) cannot continue from a transferred prompt with media yet."""
+    if not media:
+        return
+    inner = getattr(model, "model", None)
+    if hasattr(model, "get_rope_index") or hasattr(inner, "get_rope_index"):
+        raise ValueError(f"LynxCache cannot serve this {getattr(model.config, 'model_type', 'model')} with "
+                         f"{', '.join(sorted(media))}: its positions depend on the image (M-RoPE rope deltas), which "
+                         f"the decode side would need as well; text-only prompts work")
+
+
 PROVENANCE = ("_name_or_path", "architectures", "transformers_version")  # where the model was loaded from, not what it is
 
 

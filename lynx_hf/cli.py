@@ -31,11 +31,23 @@ def _bench(a):
     if a.what == "transfer" and "shakespeare" in a.prompts:
         from lynx_hf.eval import data
 
-        data.require("bench transfer --prompts shakespeare", needs_text=True)
+        data.require("bench transfer --prompts shakespeare", needs_text=True,
+                     text_flag="--prompts code (or a text file's path)")
     if a.what == "startup":
         from lynx_hf.eval import bench_startup
 
         return bench_startup.run(a.json) and None
+    if a.what == "kernels":
+        if not a.gpu_compile:
+            raise SystemExit("lynx-hf bench kernels: pass --gpu-compile (compile every Triton launch for sm_80 and "
+                             "sm_90; the only kernel benchmark that runs without a GPU)")
+        from lynx_hf.eval import bench_kernels
+
+        try:
+            bench_kernels.run(a.json)
+        except RuntimeError as e:
+            raise SystemExit(str(e))
+        return None
     if a.what == "session":
         from lynx_hf.eval import bench_session
 
@@ -64,7 +76,7 @@ def _demo(a):
 def _acceptance(a):
     from lynx_hf.eval import data
 
-    data.require("acceptance", needs_text=True, needs_mmlu=True)
+    data.require("acceptance", needs_text=True, needs_mmlu=True, text_flag=None)
     from lynx_hf.eval import acceptance
 
     acceptance.run(a.drafts, a.json, a.model)
@@ -148,11 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(fn=_codec_quality)
 
     b = _sub(sub, "bench", "benchmarks that print numbers and a final JSON line")
-    b.add_argument("what", choices=["codec", "transfer", "session", "startup"],
-                   help="codec: encode/decode throughput; transfer: TTFT/TT32T over the two-process path per link "
+    b.add_argument("what", choices=["codec", "kernels", "transfer", "session", "startup"],
+                   help="codec: encode/decode throughput; kernels --gpu-compile: every Triton launch compiled for "
+                        "sm_80 and sm_90 here (registers, spills, bytes moved); transfer: TTFT/TT32T over the "
+                        "two-process path per link "
                         "speed; session: an agent conversation over the two-process path, each turn's new KV "
                         "(delta) versus the whole history re-shipped; startup: `lynx-hf --help` and the default "
                         "model's load, each in a fresh process")
+    b.add_argument("--gpu-compile", action="store_true",
+                   help="kernels: compile ahead of time for NVIDIA sm_80 / sm_90 (no GPU needed)")
     b.add_argument("--tokens", type=int, default=4096, help="codec: headline size, the KV of this many tokens")
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="codec")
     b.add_argument("--max-mb", type=float, default=1200, help="codec: largest tensor of the size sweep")

@@ -11,12 +11,11 @@ A conversation goes on as with any cache: pass the previous turn's cache (`retur
 as `.cache`) with the whole conversation's ids; only the new positions run."""
 from __future__ import annotations
 
+from .arch import media_inputs
 from .cache import LynxCache
 from .config import LynxQuantConfig
 from .engine import speculative_generate
 
-# generate() arguments that Lynx's decoding loop cannot honour
-_UNSUPPORTED = ("assistant_model", "prefix_allowed_tokens_fn", "negative_prompt_ids", "negative_prompt_attention_mask")
 
 def hub_generate(model, lynx_config: dict, inputs=None, residual_after_steps: int | None = None,
                  residual_after_tokens: int | None = None, **kwargs):
@@ -29,10 +28,9 @@ def hub_generate(model, lynx_config: dict, inputs=None, residual_after_steps: in
     if ids is None:
         raise ValueError("Lynx custom_generate needs the prompt's input_ids")
     kw = {k: v for k, v in kwargs.items() if v is not None}
-    bad = [k for k in _UNSUPPORTED if k in kw]
-    if bad:
-        raise ValueError(f"Lynx custom_generate does not support {bad}")
-    if "streamer" in kw:  # speculative_generate takes its streamer as lynx_streamer (see its docstring)
+    # whatever speculative_generate cannot honour it refuses itself (an assistant model, beams, ...), as on the
+    # callable path; a streamer that takes drafts gets them
+    if hasattr(kw.get("streamer"), "put_provisional") and "lynx_streamer" not in kw:
         kw["lynx_streamer"] = kw.pop("streamer")
     kw.pop("synced_gpus", None)
     if kw.get("stop_strings"):  # a callable custom_generate never gets the tokenizer: build the criterion here
@@ -50,7 +48,7 @@ def hub_generate(model, lynx_config: dict, inputs=None, residual_after_steps: in
         cfg = LynxQuantConfig.from_dict(dict(lynx_config))
         cache, _ = LynxCache.from_prefill(model, ids, quant_config=cfg, attention_mask=kw.get("attention_mask"),
                                           residual_after_steps=residual_after_steps,
-                                          residual_after_tokens=residual_after_tokens)
+                                          residual_after_tokens=residual_after_tokens, **media_inputs(kw))
     elif not isinstance(cache, LynxCache):
         raise ValueError(f"Lynx custom_generate needs cache=LynxCache(...) or none, got {type(cache).__name__}")
     return model.generate(ids, cache=cache, custom_generate=speculative_generate, **kw)

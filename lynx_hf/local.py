@@ -62,15 +62,16 @@ def generate_mask(model, input_ids: torch.Tensor) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **media):
     """Full-precision prefill: ([(K, V)] per layer, each [B, H_kv, held_i, D]; last-position logits [B, V] in the
     model's dtype) — the prefill node's own work, with the inputs `generate` gives its own prefill (position_ids
     from the mask, where the model takes them). Raises ValueError for a model that keeps no KV in a Transformers
-    Cache (recurrent state, legacy tuples): there is nothing to transfer."""
+    Cache (recurrent state, legacy tuples): there is nothing to transfer. `media`: the prompt's images / audio
+    (pixel_values, ...), as the model's forward takes them."""
     windows = layer_windows(model.config)
     kv = {}
     cap = PromptCapture(model.config, lambda i, k, v, start: kv.__setitem__(i, (k, v)), input_ids.shape[1])
-    kw = {} if attention_mask is None else {"attention_mask": attention_mask}
+    kw = dict(media) if attention_mask is None else {**media, "attention_mask": attention_mask}
     if "position_ids" in inspect.signature(model.forward).parameters:
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         kw["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)

@@ -254,18 +254,47 @@ def test_card_folder_and_custom_generate(results_md, tmp_path, model_and_tok):
     assert json.loads((out / "lynx_config.json").read_text())["calibration"] == {"kl_anchor": 0.01}
     assert (out / "custom_generate" / "requirements.txt").read_text().split()[0].startswith("torch")
     body = (out / "README.md").read_text()
-    for says in ("cache=", "residual_after_steps", "lynx_streamer=", "num_beams", "assistant_model"):
+    for says in ("cache=", "residual_after_steps", "lynx_streamer=", "num_beams"):
         assert says in body, says  # what its generate adds and refuses
     assert "pip install lynx-hf" not in body and (out / "results.md").exists()  # no pointer to what is not there
-    assert {r.dataset_config for r in card.data.eval_results} == {"default"}  # a config MMLU-Pro has
+    assert {r.dataset_args["config"] for r in card.data.eval_results} == {"default"}  # a config MMLU-Pro has
 
     model, tok = model_and_tok
     ids = tok(["To be, or not to be, that is the question:"], return_tensors="pt").input_ids
     got = model.generate(ids, custom_generate=str(out), trust_remote_code=True, max_new_tokens=16, do_sample=False)
     assert torch.equal(got, _full_tier_greedy(model, ids, 16, LynxQuantConfig(alpha=1.0)))
-    with pytest.raises(ValueError, match="does not support"):
+    allowed = lambda b, s: [int(t) for t in range(40, 60)]  # noqa: E731 — the callable path takes it: so does this
+    got = model.generate(ids, custom_generate=str(out), trust_remote_code=True, max_new_tokens=4, do_sample=False,
+                         prefix_allowed_tokens_fn=allowed)
+    assert got.tolist() == model.generate(ids, max_new_tokens=4, do_sample=False,
+                                          prefix_allowed_tokens_fn=allowed).tolist()
+    with pytest.raises(ValueError, match="assistant|assisted"):
         model.generate(ids, custom_generate=str(out), trust_remote_code=True, max_new_tokens=2,
-                       prefix_allowed_tokens_fn=lambda b, s: [0])
+                       assistant_model=model)
+
+
+def test_the_cards_model_index_has_one_task_per_context_length():
+    """huggingface_hub groups EvalResults into model-index tasks by (task type, dataset, config, split, revision):
+    two context lengths must come back, through its own writer and parser, as two tasks with their own metrics
+    (before: one task holding both lengths' accuracies under one name each, twice)."""
+    from huggingface_hub import ModelCardData
+    from huggingface_hub.repocard_data import model_index_to_eval_results
+
+    from lynx_hf.eval.card import eval_results
+
+    rows = {m: {"accuracy": a} for m, a in (("bf16", 0.5), ("lynx", 0.4))}
+    report = {"contexts": {"512": {"rows": rows}, "1024": {"rows": {m: {"accuracy": a / 2} for m, a in
+                                                                     (("bf16", 0.5), ("lynx", 0.4))}}}}
+    data = ModelCardData(model_name="m-lynx", eval_results=eval_results(report)).to_dict()
+    tasks = data["model-index"][0]["results"]
+    assert len(tasks) == 2
+    for t in tasks:
+        names = [m["name"] for m in t["metrics"]]
+        assert len(names) == len(set(names)) == 2
+    _, parsed = model_index_to_eval_results(data["model-index"])
+    by_task = {(r.task_name, r.metric_name): r.metric_value for r in parsed}
+    assert by_task[("MMLU-Pro, many-shot 1024-token context", "accuracy, KV Lynx")] == 0.2
+    assert by_task[("MMLU-Pro, many-shot 512-token context", "accuracy, KV BF16")] == 0.5
 
 
 # -- calibration and the config file -----------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+import transformers as tf
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
@@ -298,16 +299,82 @@ def test_speculative_streamer_prints_each_verified_token_once(monkeypatch, tty):
     assert "".join(screen[:-1]) == want and screen[-1] == ""
 
 
-def test_a_streamer_given_to_generate_is_named_in_a_warning(tiny):
-    """transformers 5.x keeps `streamer=` from a callable custom_generate (it prints the prompt, then nothing); Lynx
-    says so and names lynx_streamer= (before: silence)."""
+def test_a_streamer_given_to_generate_gets_what_plain_generate_gives_it(tiny):
+    """`streamer=` on the custom_generate path receives exactly the puts plain generate makes (the prompt, then one
+    verified token per step, then end), drafts or not; `lynx_streamer=` also gets the prompt and the tokens."""
     ids = torch.randint(3, 96, (1, 24), generator=torch.Generator().manual_seed(0))
-    cache, _ = LynxCache.from_prefill(tiny, ids, residual_after_steps=2)
-    rec = Collect()
-    with pytest.warns(UserWarning, match="pass the streamer as lynx_streamer="):
-        tiny.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate, max_new_tokens=4, streamer=rec)
-    assert rec.puts == [ids[0].tolist()]  # the prompt only: what the warning explains
-    cache, _ = LynxCache.from_prefill(tiny, ids, residual_after_steps=2)
-    rec = Collect()
-    tiny.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate, max_new_tokens=4, lynx_streamer=rec)
-    assert rec.puts[0] == ids[0].tolist() and sum(map(len, rec.puts[1:-1])) == 4 and rec.puts[-1] == "end"
+    plain_rec = Collect()
+    tiny.generate(ids, max_new_tokens=6, do_sample=False, streamer=plain_rec)
+    for after in (0, 2):
+        cache, _ = LynxCache.from_prefill(tiny, ids, residual_after_steps=after)
+        rec, lyn = Collect(), Collect()
+        tiny.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate, max_new_tokens=6,
+                      do_sample=False, streamer=rec, lynx_streamer=lyn)
+        assert rec.puts == plain_rec.puts
+        assert lyn.puts == plain_rec.puts
+    # a conversation's next turn: the streamer gets that turn's input (by Transformers), then its tokens
+    out = tiny.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate, max_new_tokens=6,
+                        do_sample=False)
+    nxt = torch.cat([out, ids[:, :5]], 1)
+    want, got = Collect(), Collect()
+    tiny.generate(nxt, max_new_tokens=4, do_sample=False, streamer=want)
+    tiny.generate(nxt, cache=cache, custom_generate=lynx_hf.speculative_generate, max_new_tokens=4, do_sample=False,
+                  streamer=got)
+    assert got.puts == want.puts
+
+
+def test_a_chat_uis_threaded_streamer_always_ends(tiny):
+    """The usual chat UI: generate in a thread, a TextIteratorStreamer consumed in another. The consumer's loop ends
+    after the verified text (before: it never ended), and also when generation fails (an error inside it)."""
+    import threading
+
+    from transformers import TextIteratorStreamer
+
+    tok = _Letters()
+    ids = torch.randint(3, 96, (1, 24), generator=torch.Generator().manual_seed(1))
+    want = tok.decode(tiny.generate(ids, max_new_tokens=8, do_sample=False)[0, 24:])
+
+    def chat(fail: bool):
+        cache, _ = LynxCache.from_prefill(tiny, ids, residual_after_steps=2)
+        st = TextIteratorStreamer(tok, skip_prompt=True, timeout=30)
+        kw = dict(cache=cache, custom_generate=lynx_hf.speculative_generate, max_new_tokens=8, do_sample=False,
+                  streamer=st)
+        if fail:  # a stopping criterion that raises once three tokens are out: generation fails part-way
+            class Boom(tf.StoppingCriteria):
+                def __call__(self, input_ids, scores, **k):
+                    if input_ids.shape[1] >= 27:
+                        raise RuntimeError("boom")
+                    return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+            kw["stopping_criteria"] = tf.StoppingCriteriaList([Boom()])
+        errors = []
+        th = threading.Thread(target=lambda: _catch(errors, lambda: tiny.generate(ids, **kw)), daemon=True)
+        th.start()
+        text = "".join(st)  # ends only when the streamer's end() is called
+        th.join(30)
+        return text, errors
+
+    text, errors = chat(False)
+    assert text == want and not errors
+    text, errors = chat(True)
+    assert want.startswith(text) and len(errors) == 1 and "boom" in str(errors[0])
+
+
+def _catch(errors, fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 — handed to the test
+        errors.append(e)
+
+
+def test_text_streamer_prints_the_verified_text(tiny, capsys):
+    from transformers import TextStreamer
+
+    tok = _Letters()
+    ids = torch.randint(3, 96, (1, 24), generator=torch.Generator().manual_seed(2))
+    tiny.generate(ids, max_new_tokens=8, do_sample=False, streamer=TextStreamer(tok, skip_prompt=True))
+    want = capsys.readouterr().out
+    cache, _ = LynxCache.from_prefill(tiny, ids, residual_after_steps=3)
+    tiny.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate, max_new_tokens=8, do_sample=False,
+                  streamer=TextStreamer(tok, skip_prompt=True))
+    assert capsys.readouterr().out == want and want.strip()

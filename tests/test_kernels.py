@@ -176,7 +176,7 @@ def test_c_build_checks_its_abi_and_bounds_the_compiler(monkeypatch, tmp_path):
     shell would; a compiler that hangs is stopped after BUILD_TIMEOUT_S."""
     import sys
 
-    monkeypatch.setenv("LYNX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("LYNX_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu, "ABI", 999)
     with pytest.raises(RuntimeError, match="ABI 2 .* expected ABI 999"):
         cpu._build()

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
-from ..arch import layer_windows
+from ..arch import layer_windows, media_inputs, media_key, refuse_encoder_decoder, refuse_media_positions
 from ..config import LynxQuantConfig, SpecConfig
 from ..loader import LoaderError
 from ..quant import SplitKV
@@ -95,16 +95,19 @@ class LynxCache(Cache):
         # fresh: serves the prompt it was filled with; busy / plain: inside a generate (custom_generate / plain);
         # held: a generation is over, the next generate continues it; broken: a generation failed part-way
         self._phase, self._before, self._ran, self._first_plain = "fresh", "fresh", False, False
+        self._strip: list = []  # media inputs a plain generate passes that its forwards must not run again
         self._tokens: torch.Tensor | None = None  # [B, N] CPU long: the ids by absolute position
         self.on_mismatch = "error"  # or "crop": a turn contradicting the held ids drops the KV from there on
         self._turns = 0  # generations run on this cache
         self._pinned = False
         self._hooks: list = []
         self._model = None   # weakref to the bound model
+        self._media_key: str | None = None  # digest of the images / audio the prompt was prefilled with
         self._bound = False  # bind(model) was called: plain generate can take the prefill's first-step logits
 
     @classmethod
     def for_model(cls, model, prompt_len: int, **kw) -> "LynxCache":
+        refuse_encoder_decoder(model)
         windows = layer_windows(model.config)
         return cls(len(windows), prompt_len, sliding_windows=windows, **kw).bind(model)
 
@@ -117,6 +120,24 @@ class LynxCache(Cache):
         self._prompt = (_prompt_key(input_ids, mask), input_ids[:, -1].tolist(), mask)
         self._tokens = input_ids.detach().long().cpu().clone()
         return self
+
+    def check_media(self, kwargs: dict) -> dict:
+        """Images / audio given to generate must be the ones the prompt was prefilled with (their KV is in the cache;
+        they are not run again); returns them, for the caller to keep out of forward passes."""
+        g = _generate_locals()  # the caller's own arguments: Transformers may have encoded the images already
+        media = media_inputs({**((g or {}).get("kwargs") or {}), **kwargs})
+        encoded = kwargs.get("mm_encoder_outputs")  # {modality: output} Transformers encoded ahead; {}: none
+        strip = sorted(set(media_inputs(kwargs)) | ({"mm_encoder_outputs"} if encoded else set()))
+        if not media and not strip:
+            return []
+        names = ", ".join(sorted(media)) or "mm_encoder_outputs"
+        if self._media_key is None:
+            raise ValueError(f"generate got {names}, but this LynxCache was prefilled without them: pass the same "
+                             f"inputs to LynxCache.from_prefill(model, input_ids, {names.split(', ')[0]}=...) so that "
+                             f"its KV holds them")
+        if media and media_key(media) != self._media_key:
+            raise ValueError(f"generate's {names} differ from the ones this LynxCache was prefilled with")
+        return strip
 
     def check_prompt(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
         """Raise ValueError unless [B, P] input_ids and their mask are the recorded prompt's (no record: no check)."""
@@ -167,8 +188,11 @@ class LynxCache(Cache):
             return  # speculative_generate takes the call
         if self._phase in ("busy", "broken"):
             raise ValueError(BUSY if self._phase == "busy" else BROKEN)
-        if g is not None and not self._bound and isinstance(g.get("self"), torch.nn.Module):
-            self.bind(g["self"])
+        if g is not None and isinstance(g.get("self"), torch.nn.Module):
+            refuse_encoder_decoder(g["self"])
+            if not self._bound:
+                self.bind(g["self"])
+        self._strip = self.check_media((g or {}).get("model_kwargs") or {})
         self._before, self._ran = self._phase, False
         if self._phase == "held":
             if g is None:
@@ -341,6 +365,8 @@ class LynxCache(Cache):
                 if ids is not None:
                     c._record(ids)
                 c._ran = True
+                if c._strip:  # the prompt's images are in the KV: the re-run position is text
+                    return args, {k: v for k, v in kwargs.items() if k not in c._strip}
 
         def post(module, args, kwargs, output):
             c = ref()
@@ -609,22 +635,30 @@ class LynxCache(Cache):
     def from_prefill(cls, model, input_ids: torch.Tensor, quant_config: LynxQuantConfig | None = None,
                      residual_after_steps: int | None = None, attention_mask: torch.Tensor | None = None,
                      spec_config: SpecConfig | None = None, bandwidth_bps: float | None = None, *,
-                     residual_after_tokens: int | None = None):
+                     residual_after_tokens: int | None = None, **media):
         """Prefill locally in full precision, encode each layer's KV, and return (cache, first_token [B, 1]) with the
         prefill's logits in the cache (first_token is their argmax, for callers that append it themselves).
         Without attention_mask, pad tokens in the prompt are masked as `generate` masks them (pad_token_id of the
         model's generation config, when it is not an EOS id); generate must then get the same prompt and mask.
         The anchor lands at once; the residual after `residual_after_steps` draft steps (None: at once; the older
         name `residual_after_tokens` is a deprecated alias), or, with bandwidth_bps (bits/s), both stream over a
-        simulated link in a background thread."""
+        simulated link in a background thread. `media`: the prompt's images / audio as the model takes them
+        (pixel_values, image_sizes, ...): they run in the prefill, and generate must get the same ones or none."""
         from ..local import generate_mask, prefill
 
+        refuse_encoder_decoder(model)
+        other = sorted(set(media) - set(media_inputs(media)))
+        if other:
+            raise ValueError(f"from_prefill got unexpected arguments {other} (besides its own it takes a model's media "
+                             f"inputs: pixel_values, image_sizes, image_grid_thw, input_features, ...)")
+        refuse_media_positions(model, media)
         if attention_mask is None:  # as generate infers it: pad tokens (pad != eos) are masked
             attention_mask = generate_mask(model, input_ids)
-        kv, logits = prefill(model, input_ids, attention_mask)
+        kv, logits = prefill(model, input_ids, attention_mask, **media)
         cache = cls.from_kv(model, input_ids.shape[1], kv, logits, quant_config, residual_after_steps, spec_config,
                             bandwidth_bps, residual_after_tokens=residual_after_tokens)
         cache.expect_prompt(input_ids, attention_mask)
+        cache._media_key = media_key(media_inputs(media))
         return cache, logits.argmax(-1, keepdim=True)
 
     def add_turn(self, model, input_ids: torch.Tensor, residual_after_steps: int | None = None,

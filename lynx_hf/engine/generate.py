@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import sys
 import time
-import warnings
 
+from ..arch import refuse_encoder_decoder
 from ..cache import LynxCache
 from .drafters import ChainDrafter, TreeDrafter
 from .policy import DraftPolicy
@@ -36,24 +36,73 @@ def _callers_streamer():
     return None
 
 
+class _Streams:
+    """Where tokens go. `given`: the caller's `generate(streamer=...)`, which Transformers has already handed the
+    prompt (`n_in` columns); `lynx`: a `lynx_streamer=`, which gets the prompt here and, if it takes them, the
+    provisional drafts. Both get every verified column once, in order, and `end()` however generation ends."""
+
+    def __init__(self, given, lynx, n_in: int, P: int):
+        self.given, self.lynx = given, lynx
+        self.all = [x for x in (given, lynx) if x is not None]
+        self._skip = 1 + max(0, n_in - P)  # puts the given streamer has had already: the prompt (+ a first token)
+        self._ended = False
+
+    @property
+    def provisional(self) -> bool:
+        return hasattr(self.lynx, "put_provisional")
+
+    def put(self, value) -> None:
+        for st in self.all:
+            if st is not self.given or self._skip <= 0:
+                st.put(value)
+        self._skip -= 1
+
+    def put_provisional(self, value) -> None:
+        self.lynx.put_provisional(value)
+
+    def resolve_provisional(self, n: int) -> None:
+        self.lynx.resolve_provisional(n)
+
+    def end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            for st in self.all:
+                st.end()
+
+
 def speculative_generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
                          synced_gpus: bool = False, streamer=None, lynx_streamer=None, stop_strings=None,
                          token_healing=None, **model_kwargs):
     """`custom_generate` entry point. input_ids: the prompt whose KV `cache` holds ([B, P]), or the prompt plus the
-    prefill's first token ([B, P + 1]). Every logits processor and stopping criterion applies to the first token,
-    to drafts and to verified tokens alike. Streaming: transformers 5.x forwards only a callable's *extra*
-    parameters, so `generate(streamer=...)` never reaches this function; pass the streamer as `lynx_streamer=`
-    (any Transformers streamer; a SpeculativeStreamer also gets the provisional drafts). For the same reason
-    `tokenizer=` never reaches a callable either, so `stop_strings` (declared here, so that generate does not fail
+    prefill's first token ([B, P + 1]), or a conversation that extends what the cache holds. Every logits processor
+    and stopping criterion applies to the first token, to drafts and to verified tokens alike. Streaming:
+    `generate(streamer=...)` gets exactly the verified tokens plain `generate` would give it, in order, and its
+    `end()` however generation ends (an error included), so a `TextIteratorStreamer` consumer's loop always ends
+    (Transformers 5.x hands a callable only its own extra parameters, so the streamer is taken from generate's call;
+    it has had the prompt); `lynx_streamer=` also gets the provisional drafts (a SpeculativeStreamer). For the same
+    reason `tokenizer=` never reaches a callable, so `stop_strings` (declared here, so that generate does not fail
     first) is refused with the way out: `stopping_criteria=[StopStringCriteria(tokenizer, stops)]`, which stops at
     the same tokens (the Hub folder's `generate` builds it for you). Whatever cannot equal plain `generate` stops
     here at once with one error (engine/support.py: the prompt must be the one the cache was prefilled with, mask
-    included; no contrastive search, DoLa, token healing; LongRoPE only within its original range); drafting
-    narrows (chain in lock-step, or none, with a warning) where a model or a logits processor cannot take it.
-    Stopping criteria see verified tokens only. Rows of a batch accept drafts independently
-    (`cache.stats["accepted_per_row"]`); the scores of steps a finished, padded row did not run are −inf but 0 at
-    the pad token."""
-    gc = generation_config
+    included; no contrastive search, DoLa, token healing, encoder-decoders; LongRoPE only within its original
+    range; images only those the prompt was prefilled with); drafting narrows (chain in lock-step, or none, with a
+    warning) where a model or a logits processor cannot take it. Stopping criteria see verified tokens only. Rows
+    of a batch accept drafts independently (`cache.stats["accepted_per_row"]`); the scores of steps a finished,
+    padded row did not run are −inf but 0 at the pad token (plain generate runs those rows on: README)."""
+    given = streamer if streamer is not None else _callers_streamer()
+    streams = _Streams(given, lynx_streamer, input_ids.shape[1], getattr(model_kwargs.get("cache"), "prompt_len",
+                                                                        input_ids.shape[1]))
+    if streamer is not None:  # called directly, not through generate: nobody gave it the prompt
+        streams._skip = 0
+    try:
+        return _generate(model, input_ids, logits_processor, stopping_criteria, generation_config, streams,
+                         stop_strings, token_healing, model_kwargs)
+    finally:
+        streams.end()
+
+
+def _generate(model, input_ids, logits_processor, stopping_criteria, gc, streams: _Streams, stop_strings,
+              token_healing, model_kwargs):
     cache = model_kwargs.get("cache")
     if not isinstance(cache, LynxCache):
         raise ValueError("speculative_generate needs cache=LynxCache(...) (e.g. from LynxCache.from_prefill)")
@@ -67,10 +116,8 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
                          "hand a callable custom_generate its tokenizer. Pass stopping_criteria=[transformers."
                          "StopStringCriteria(tokenizer, stop_strings)] instead (the same stopping points)")
     refuse_options(gc, token_healing=bool(token_healing))
-    if lynx_streamer is None and streamer is None and _callers_streamer() is not None:
-        warnings.warn("generate(streamer=...) does not reach custom_generate=speculative_generate (Transformers "
-                      "hands a callable only its own extra parameters; the streamer got the prompt and nothing "
-                      "more): pass the streamer as lynx_streamer=", UserWarning, stacklevel=3)
+    refuse_encoder_decoder(model)
+    cache.check_media(model_kwargs)  # their KV is in the cache: never run again here
     mask = model_kwargs.get("attention_mask")
     cache._settle()
     n_in = input_ids.shape[1]
@@ -78,6 +125,7 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
                                       and cache._tokens is not None):
         # a conversation goes on: only the new positions run here (their KV joins the held KV in full precision)
         cache.extend_here(model, input_ids, cache.continue_turn(input_ids, mask))
+        streams._skip = 1  # the conversation so far was the given streamer's prompt
     P = cache.prompt_len
     if n_in not in (P, P + 1):
         raise ValueError(f"input_ids must be the {P} prompt tokens whose KV the cache holds (optionally followed by "
@@ -89,8 +137,8 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
     refuse_model(model, max_pos)
     cache.start_generate()
     cache.trace.start()
-    streamer = lynx_streamer if lynx_streamer is not None else streamer
-    s = DecodeState(model, input_ids, cache, mask, logits_processor, stopping_criteria, gc, streamer)
+    s = DecodeState(model, input_ids, cache, mask, logits_processor, stopping_criteria, gc,
+                    streams if streams.all else None)
     spec = cache.spec_config
     plan = drafting(model, logits_processor, stopping_criteria, s.do_sample, max_pos)
     if spec.draft_while_waiting and spec.max_draft_steps > 0:
@@ -106,8 +154,6 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
     finally:
         cache.end_generate(s.sequences() if ok else None)  # the cache now holds the conversation (or is broken)
         cache.trace.finish()
-        if streamer is not None:
-            streamer.end()
     ids = s.sequences()
     if gc.return_dict_in_generate:
         from transformers.generation.utils import GenerateDecoderOnlyOutput

@@ -60,7 +60,7 @@ class DecodeState:
         self.scores = [[] for _ in range(B)] if keep and gc.output_scores else None
         self.logits = [[] for _ in range(B)] if keep and gc.output_logits else None
         self.streamed = P  # columns of seq already put to the streamer
-        self.provisional = hasattr(streamer, "put_provisional")
+        self.provisional = getattr(streamer, "provisional", hasattr(streamer, "put_provisional"))
         self.pending_drafts = 0
 
     # -- rows -----------------------------------------------------------------------------------------------------

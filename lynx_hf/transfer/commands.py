@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import math
+import socket
 import sys
 
 SECRET_HELP = ("shared secret; visible to every local user in the process list: prefer --secret-file or "
@@ -24,10 +25,10 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _hostport(s: str):
+def _hostport(s: str, cmd: str):
     host, _, port = s.rpartition(":")
-    if not host or not port.isdigit():
-        raise SystemExit(f"expected HOST:PORT, got {s!r}")
+    if not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise SystemExit(f"lynx-hf {cmd}: error: expected HOST:PORT (e.g. 127.0.0.1:7480), got {s!r}")
     return host.strip("[]"), int(port)
 
 
@@ -59,7 +60,7 @@ def _serve_prefill(a):
 
     from .server import PrefillServer
 
-    host, port = _hostport(a.listen)
+    host, port = _hostport(a.listen, a.cmd)
     secret = _secret_or_exit(a, host)
     if a.tls_key and not a.tls_cert:
         raise SystemExit("lynx-hf serve-prefill: error: --tls-key without --tls-cert (pass both, or neither for "
@@ -67,10 +68,14 @@ def _serve_prefill(a):
     bw = a.bandwidth_mbps
     if bw is not None and not (math.isfinite(bw) and bw > 0):
         raise SystemExit(f"lynx-hf serve-prefill: error: --bandwidth-mbps must be a finite number > 0, got {bw}")
+    try:  # the port first: a port in use is said before the model loads
+        sock = socket.create_server((host, port), reuse_port=False)
+    except OSError as e:
+        raise SystemExit(f"lynx-hf serve-prefill: error: cannot listen on {host}:{port}: {e.strerror or e}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     model, _ = lynx_hf.load_default_model(a.model)
     try:
-        srv = PrefillServer(model, host, port, secret=secret, insecure=a.insecure, max_connections=a.max_connections,
+        srv = PrefillServer(model, host, port, listen_socket=sock, secret=secret, insecure=a.insecure, max_connections=a.max_connections,
                             tls_cert=a.tls_cert, tls_key=a.tls_key, bandwidth_bps=None if bw is None else bw * 1e6,
                             latency_s=a.latency_ms / 1e3, handshake_timeout=a.handshake_timeout,
                             max_preauth=a.max_preauth, max_preauth_per_host=a.max_preauth_per_host,
@@ -113,14 +118,16 @@ def _serve_decode(a):
     import lynx_hf
     from lynx_hf import LynxQuantConfig
 
+    from ..arch import fingerprint
     from ..errors import LynxError
     from .decode import DecodeClient
 
-    host, port = _hostport(a.prefill)
+    host, port = _hostport(a.prefill, a.cmd)
     secret = _secret_or_exit(a, host)
     model, tok = lynx_hf.load_default_model(a.model)
+    fp = fingerprint(model)  # once per process, before any connection (a reconnect needs no second pass)
     connect = lambda: DecodeClient(model, host, port, secret=secret, insecure=a.insecure, tls=a.tls, tls_ca=a.tls_ca,
-                                   timeout_s=a.timeout)
+                                   timeout_s=a.timeout, model_fingerprint=fp)
     cli = sess = None
     cfg = LynxQuantConfig.from_pretrained(a.lynx_config) if a.lynx_config else LynxQuantConfig(method=a.method)
     failed = False

@@ -122,13 +122,18 @@ class DecodeClient:
 
     def __init__(self, model, host: str | None = None, port: int | None = None, secret: str | None = None,
                  timeout_s: float = 30.0, insecure: bool = False, tls: bool = False, tls_ca: str | None = None,
-                 transport=None):
+                 transport=None, model_fingerprint: str | None = None):
         """tls / tls_ca: speak TLS, trusting the system's CAs or the PEM file `tls_ca` (a private CA or a
         self-signed server certificate); the server's certificate must name `host`. transport: an open Transport
-        instead of host/port (e.g. a DistTransport to the prefill rank, whose side runs `server_handshake` and `serve_channel`)."""
+        instead of host/port (e.g. a DistTransport to the prefill rank, whose side runs `server_handshake` and
+        `serve_channel`). model_fingerprint: `arch.fingerprint(model)` if the caller has it (a process that
+        reconnects computes it once). Everything this side must compute happens before it connects, so that the
+        server's handshake deadline measures the network and the peer only."""
         self.model, self.timeout = model, timeout_s
         key = resolve_secret(secret, insecure, host if transport is None else None)
-        self.fp = fingerprint(model)  # before connecting: the handshake's deadline measures the peer, not this side
+        self.fp = model_fingerprint or fingerprint(model)
+        self.geometry = kv_geometry(model)  # a PROMPT frame must declare exactly this
+        prepare(next(model.parameters()).device)  # the codec's kernels, built before the first request
         if transport is not None:
             t = transport
         elif host is None or port is None:
@@ -147,8 +152,6 @@ class DecodeClient:
         except BaseException:
             self.ch.close()
             raise
-        self.geometry = kv_geometry(model)  # a PROMPT frame must declare exactly this
-        prepare(next(model.parameters()).device)  # the codec's kernels, built before the first request
 
     def _check_handshake(self, p: dict, prompt_len: int, cfg: LynxQuantConfig) -> None:
         got = {k: p.get(k) for k in self.geometry}

@@ -87,7 +87,7 @@ class PrefillServer:
                  max_connections: int = 32, insecure: bool = False, tls_cert: str | None = None,
                  tls_key: str | None = None, max_preauth: int = 128, max_preauth_per_host: int = 96,
                  idle_timeout_s: float = 300.0, send_timeout_s: float = 30.0, prefill_chunk: int = PREFILL_CHUNK,
-                 prefix_cache_mb: float = PREFIX_CACHE_MB):
+                 prefix_cache_mb: float = PREFIX_CACHE_MB, listen_socket: socket.socket | None = None):
         _positive("bandwidth_bps", bandwidth_bps, allow_none=True)
         _positive("latency_s", latency_s, allow_zero=True)
         _positive("prefix_cache_mb", prefix_cache_mb, allow_zero=True)
@@ -113,7 +113,7 @@ class PrefillServer:
         self.bw, self.latency, self.hs_timeout, self.max_conn = bandwidth_bps, latency_s, handshake_timeout, max_connections
         self.max_preauth, self.max_preauth_per_host = max_preauth, max_preauth_per_host
         self.idle_timeout_s, self.send_timeout_s, self.chunk = idle_timeout_s, send_timeout_s, prefill_chunk
-        self.sock = socket.create_server((host, port), reuse_port=False)
+        self.sock = listen_socket or socket.create_server((host, port), reuse_port=False)
         self.address = self.sock.getsockname()[:2]
         self.compute = ComputeQueue()
         self.prefix = PrefixCache(int(prefix_cache_mb * (1 << 20)),

@@ -25,7 +25,8 @@ from .wire import (FLAG_MAC, MAX_HANDSHAKE, MAX_PAYLOAD, FrameType, PeerClosed, 
 SECRET_ENV = "LYNX_SECRET"
 INSECURE_SECRET = b"lynx-hf-insecure: no authentication"  # --insecure (loopback only): a known key, no security
 TAG = 16  # bytes of HMAC-SHA256 kept per frame
-REFUSED = "refused"  # the prefill side's one answer to a client that fails the handshake, whatever failed
+REFUSED = "refused"  # the prefill side's one answer to a client that fails the handshake, whatever failed...
+LATE = "refused: the handshake's deadline passed"  # ...but a deadline it missed: that says nothing of the secret
 PEER_TEXT = 200  # characters of a peer's text this side logs or shows
 
 
@@ -189,7 +190,8 @@ def server_handshake(ch: Channel, secret: bytes, fp: str, timeout: float = 10.0,
     except (WireError, TimeoutError) as e:
         if not isinstance(e, PeerClosed):
             try:
-                ch.send_json(FrameType.ERROR, {"error": REFUSED}, wait=False).result(1)
+                ch.send_json(FrameType.ERROR, {"error": LATE if isinstance(e, TimeoutError) else REFUSED},
+                             wait=False).result(1)
             except Exception:  # noqa: BLE001 — the peer may be gone already
                 pass
         raise HandshakeRefused(str(e)) from None
@@ -211,10 +213,13 @@ def client_handshake(ch: Channel, secret: bytes, fp: str, timeout: float = 10.0)
     ch.authenticate(secret, ns, nc, "decode")
     try:
         ok = ch.recv(left(), FrameType.OK, MAX_HANDSHAKE).json()
-    except PeerError as e:  # the server's one generic refusal is its verdict on our MAC; other errors are not
+    except PeerError as e:  # the server's generic refusal is its verdict on our MAC; a missed deadline says so
         if e.reason == REFUSED:
-            raise WireError("authentication failed: the prefill server refused the handshake (a different shared "
-                            "secret, or a handshake past its deadline)") from None
+            raise WireError("authentication failed: the prefill server refused our HELLO (a different shared "
+                            "secret)") from None
+        if e.reason == LATE:
+            raise WireError("the prefill server's handshake deadline passed before our HELLO arrived (a slow network "
+                            "or a busy machine; its --handshake-timeout)") from None
         raise WireError(f"handshake failed: {e}") from None
     if not mac_matches(ok.get("mac"), _mac(secret, "server", nc, ns)):
         raise WireError("authentication failed: the prefill server does not know the shared secret")
