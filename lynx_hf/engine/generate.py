@@ -23,15 +23,15 @@ from .state import DecodeState
 from .support import drafting, refuse_model, refuse_options, warn_narrowed
 
 
-def _callers_streamer():
-    """The `streamer=` the caller gave Transformers' generate (which keeps it from a callable custom_generate), found
-    in generate's frame; None if there was none or the frame is not found."""
+def _callers(name: str):
+    """An argument the caller gave Transformers' generate that it keeps from a callable custom_generate (`streamer`,
+    `assistant_model`), found in generate's frame; None if there was none or the frame is not found."""
     f = sys._getframe(2)
     for _ in range(12):
         if f is None:
             return None
         if f.f_code.co_name == "generate" and f.f_globals.get("__name__") == "transformers.generation.utils":
-            return f.f_locals.get("streamer")
+            return f.f_locals.get(name)
         f = f.f_back
     return None
 
@@ -89,7 +89,7 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
     warning) where a model or a logits processor cannot take it. Stopping criteria see verified tokens only. Rows
     of a batch accept drafts independently (`cache.stats["accepted_per_row"]`); the scores of steps a finished,
     padded row did not run are −inf but 0 at the pad token (plain generate runs those rows on: README)."""
-    given = streamer if streamer is not None else _callers_streamer()
+    given = streamer if streamer is not None else _callers("streamer")
     streams = _Streams(given, lynx_streamer, input_ids.shape[1], getattr(model_kwargs.get("cache"), "prompt_len",
                                                                         input_ids.shape[1]))
     if streamer is not None:  # called directly, not through generate: nobody gave it the prompt
@@ -116,6 +116,9 @@ def _generate(model, input_ids, logits_processor, stopping_criteria, gc, streams
                          "hand a callable custom_generate its tokenizer. Pass stopping_criteria=[transformers."
                          "StopStringCriteria(tokenizer, stop_strings)] instead (the same stopping points)")
     refuse_options(gc, token_healing=bool(token_healing))
+    if _callers("assistant_model") is not None:
+        raise ValueError("speculative_generate drafts on the anchor tier itself: assistant_model (assisted decoding) "
+                         "cannot be combined with it; pass one or the other")
     refuse_encoder_decoder(model)
     cache.check_media(model_kwargs)  # their KV is in the cache: never run again here
     mask = model_kwargs.get("attention_mask")
