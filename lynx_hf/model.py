@@ -87,9 +87,10 @@ def _is_path(name: str) -> bool:
 
 
 def load_default_model(name_or_path: str | None = None, dtype: torch.dtype = torch.float32, gguf_file: str | None = None,
-                       device: str | None = None):
+                       device: str | None = None, warm: bool = True):
     """(model, tokenizer). name_or_path None → the embedded SmolLM2-135M-Instruct; else a Hub id or a local path
-    (with gguf_file for a GGUF checkpoint)."""
+    (with gguf_file for a GGUF checkpoint). `warm`: run `lynx_hf.warm_up(model)` (kernels built, one short drafted
+    generation) so that the first request is as fast as the second."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
 
@@ -115,4 +116,8 @@ def load_default_model(name_or_path: str | None = None, dtype: torch.dtype = tor
     if device:
         model = model.to(device)
     model.eval()
+    if warm:
+        from .engine import warm_up
+
+        warm_up(model)
     return model, tok

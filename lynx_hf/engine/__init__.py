@@ -4,5 +4,6 @@ the draft policy (`policy`) and the engine's own attention masks (`masks`). The 
 lives beside it, in `lynx_hf.spec` (chains) and `lynx_hf.tree` (trees)."""
 from .generate import speculative_generate
 from .state import DecodeState
+from .warm import warm_up
 
-__all__ = ["speculative_generate", "DecodeState"]
+__all__ = ["speculative_generate", "DecodeState", "warm_up"]

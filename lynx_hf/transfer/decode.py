@@ -18,8 +18,8 @@ import torch
 from ..arch import fingerprint, kv_geometry
 from ..cache import LynxCache
 from ..config import LynxQuantConfig, SpecConfig
+from ..engine.warm import warm_up
 from ..loader import Loader
-from ..quant.dispatch import prepare
 from .prefix_cache import token_digest
 from .serde import check_residual, to_split, unpack_logits, unpack_segment, warm
 from .session import Channel, client_handshake, resolve_secret
@@ -133,7 +133,7 @@ class DecodeClient:
         key = resolve_secret(secret, insecure, host if transport is None else None)
         self.fp = model_fingerprint or fingerprint(model)
         self.geometry = kv_geometry(model)  # a PROMPT frame must declare exactly this
-        prepare(next(model.parameters()).device)  # the codec's kernels, built before the first request
+        warm_up(model)  # the codec's kernels and every path of a request, before the first one (and the handshake)
         if transport is not None:
             t = transport
         elif host is None or port is None:

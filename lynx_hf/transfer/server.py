@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from ..arch import fingerprint
 from ..errors import ConfigError
 from ..link import LinkEmulator
-from ..quant.dispatch import prepare
+from ..engine.warm import warm_up
 from .prefill import PREFILL_CHUNK, ComputeQueue, serve_channel
 from .prefix_cache import PrefixCache
 from .session import Channel, HandshakeRefused, PeerError, quote_peer, resolve_secret, server_handshake
@@ -109,7 +109,7 @@ class PrefillServer:
                 raise ConfigError(f"cannot load the TLS certificate {tls_cert}"
                                   f"{'' if tls_key else ' (no --tls-key: the key must be inside it)'}: {e}") from None
         self.model, self.secret, self.fp = model, resolve_secret(secret, insecure, host), fingerprint(model)
-        prepare(next(model.parameters()).device)  # build the codec's kernels now, not inside the first request
+        warm_up(model)  # the codec's kernels and a request's paths now, not inside the first request
         self.bw, self.latency, self.hs_timeout, self.max_conn = bandwidth_bps, latency_s, handshake_timeout, max_connections
         self.max_preauth, self.max_preauth_per_host = max_preauth, max_preauth_per_host
         self.idle_timeout_s, self.send_timeout_s, self.chunk = idle_timeout_s, send_timeout_s, prefill_chunk
