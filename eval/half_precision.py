@@ -1,0 +1,74 @@
+"""How often drafted decoding equals plain `generate` in half precision, next to Transformers' own speculative
+decoding (prompt lookup), on the embedded model: `python -m lynx_hf.eval.half_precision [--prompts 6] [--tokens 48]`.
+
+Per dtype (fp32, bf16, fp16) and prompt (Python standard-library source, the demo's text, cut at different places):
+greedy `generate` alone; Lynx with drafts (identity codec, residual after 8 draft steps, so the only difference from
+plain decoding is that the verify pass scores several positions in one forward pass); Lynx without drafts; and
+Transformers' prompt-lookup decoding (`prompt_lookup_num_tokens=10`, which also verifies several positions at once).
+Counts the prompts whose tokens equal plain greedy's, and where the first difference is. Ends with one JSON line."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+
+import torch
+from tqdm import tqdm
+
+import lynx_hf
+from lynx_hf import LynxCache, LynxQuantConfig, SpecConfig
+
+from .demo import default_prompt_text
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def run(prompts: int = 6, tokens: int = 48, prompt_tokens: int = 256, as_json: bool = False) -> dict:
+    say = (lambda *a: print(*a, file=sys.stderr)) if as_json else print
+    _, tok = lynx_hf.load_default_model(warm=False)
+    text = tok(default_prompt_text()).input_ids
+    starts = [i * (len(text) - prompt_tokens) // max(1, prompts) for i in range(prompts)]
+    res = {"prompts": prompts, "tokens": tokens, "prompt_tokens": prompt_tokens, "dtypes": {}}
+    for name, dtype in DTYPES.items():
+        model, _ = lynx_hf.load_default_model(dtype=dtype, warm=False)
+        row = {"lynx_drafts": 0, "lynx_no_drafts": 0, "prompt_lookup": 0, "first_diff": []}
+        for s in tqdm(starts, desc=name, file=sys.stderr, disable=as_json):
+            ids = torch.tensor([text[s:s + prompt_tokens]])
+            kw = dict(max_new_tokens=tokens, do_sample=False, eos_token_id=None)
+            plain = model.generate(ids, **kw)[0, prompt_tokens:].tolist()
+            got = {}
+            for arm, steps in (("lynx_drafts", 64), ("lynx_no_drafts", 0)):
+                cache, _ = LynxCache.from_prefill(model, ids, quant_config=LynxQuantConfig(method="identity"),
+                                                  residual_after_steps=8, spec_config=SpecConfig(max_draft_steps=steps))
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    got[arm] = model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate,
+                                              **kw)[0, prompt_tokens:].tolist()
+            got["prompt_lookup"] = model.generate(ids, prompt_lookup_num_tokens=10, **kw)[0, prompt_tokens:].tolist()
+            for arm, out in got.items():
+                row[arm] += out == plain
+            row["first_diff"].append(first_difference(got["lynx_drafts"], plain))
+        res["dtypes"][name] = row
+        say(f"{name}: equal to plain greedy on {row['lynx_drafts']}/{prompts} prompts with drafts, "
+            f"{row['lynx_no_drafts']}/{prompts} without, prompt lookup {row['prompt_lookup']}/{prompts}; "
+            f"Lynx's first differing token: {row['first_diff']}")
+    print(json.dumps(res))
+    return res
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompts", type=int, default=6)
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    run(a.prompts, a.tokens, as_json=a.json)
+
+
+if __name__ == "__main__":
+    main()
