@@ -28,19 +28,36 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
-def run(prompts: int = 6, tokens: int = 48, prompt_tokens: int = 256, as_json: bool = False) -> dict:
+QUESTIONS = ("Write a short poem about a lynx.", "What is the capital of France?", "Explain what a KV cache is.",
+             "List three prime numbers.", "How do I reverse a list in Python?", "Tell me a fun fact about cats.",
+             "What is 17 times 23?", "Summarise the plot of Hamlet.", "Why is the sky blue?",
+             "Give me a recipe for pancakes.", "What does HTTP stand for?", "Describe a sunset in one sentence.")
+
+
+def prompt_ids(tok, prompts: int, prompt_tokens: int, chat: bool) -> list[list[int]]:
+    """Chat-template questions, or cuts of Python standard-library source of `prompt_tokens` tokens."""
+    if chat:
+        return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False) for q in QUESTIONS[:prompts]]
+    text = tok(default_prompt_text()).input_ids
+    return [text[s:s + prompt_tokens] for s in (i * (len(text) - prompt_tokens) // max(1, prompts)
+                                                  for i in range(prompts))]
+
+
+def run(prompts: int = 6, tokens: int = 48, prompt_tokens: int = 256, as_json: bool = False,
+        chat: bool = False) -> dict:
     say = (lambda *a: print(*a, file=sys.stderr)) if as_json else print
     _, tok = lynx_hf.load_default_model(warm=False)
-    text = tok(default_prompt_text()).input_ids
-    starts = [i * (len(text) - prompt_tokens) // max(1, prompts) for i in range(prompts)]
-    res = {"prompts": prompts, "tokens": tokens, "prompt_tokens": prompt_tokens, "dtypes": {}}
+    cuts = prompt_ids(tok, prompts, prompt_tokens, chat)
+    res = {"prompts": len(cuts), "tokens": tokens, "prompt_tokens": None if chat else prompt_tokens, "chat": chat,
+           "dtypes": {}}
     for name, dtype in DTYPES.items():
         model, _ = lynx_hf.load_default_model(dtype=dtype, warm=False)
         row = {"lynx_drafts": 0, "lynx_no_drafts": 0, "prompt_lookup": 0, "first_diff": []}
-        for s in tqdm(starts, desc=name, file=sys.stderr, disable=as_json):
-            ids = torch.tensor([text[s:s + prompt_tokens]])
-            kw = dict(max_new_tokens=tokens, do_sample=False, eos_token_id=None)
-            plain = model.generate(ids, **kw)[0, prompt_tokens:].tolist()
+        for cut in tqdm(cuts, desc=name, file=sys.stderr, disable=as_json):
+            ids, P = torch.tensor([cut]), len(cut)
+            kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+            plain = model.generate(ids, **kw)[0, P:].tolist()
             got = {}
             for arm, steps in (("lynx_drafts", 64), ("lynx_no_drafts", 0)):
                 cache, _ = LynxCache.from_prefill(model, ids, quant_config=LynxQuantConfig(method="identity"),
@@ -48,14 +65,15 @@ def run(prompts: int = 6, tokens: int = 48, prompt_tokens: int = 256, as_json: b
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     got[arm] = model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate,
-                                              **kw)[0, prompt_tokens:].tolist()
-            got["prompt_lookup"] = model.generate(ids, prompt_lookup_num_tokens=10, **kw)[0, prompt_tokens:].tolist()
+                                              **kw)[0, P:].tolist()
+            got["prompt_lookup"] = model.generate(ids, prompt_lookup_num_tokens=10, **kw)[0, P:].tolist()
             for arm, out in got.items():
                 row[arm] += out == plain
             row["first_diff"].append(first_difference(got["lynx_drafts"], plain))
         res["dtypes"][name] = row
-        say(f"{name}: equal to plain greedy on {row['lynx_drafts']}/{prompts} prompts with drafts, "
-            f"{row['lynx_no_drafts']}/{prompts} without, prompt lookup {row['prompt_lookup']}/{prompts}; "
+        n = len(cuts)
+        say(f"{name}: equal to plain greedy on {row['lynx_drafts']}/{n} prompts with drafts, "
+            f"{row['lynx_no_drafts']}/{n} without, prompt lookup {row['prompt_lookup']}/{n}; "
             f"Lynx's first differing token: {row['first_diff']}")
     print(json.dumps(res))
     return res
@@ -64,10 +82,12 @@ def run(prompts: int = 6, tokens: int = 48, prompt_tokens: int = 256, as_json: b
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=int, default=6)
-    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--tokens", type=int, default=48, help="tokens generated per prompt")
+    p.add_argument("--prompt-tokens", type=int, default=256, help="prompt length")
+    p.add_argument("--chat", action="store_true", help="chat-template questions instead of source-code cuts")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    run(a.prompts, a.tokens, as_json=a.json)
+    run(a.prompts, a.tokens, a.prompt_tokens, as_json=a.json, chat=a.chat)
 
 
 if __name__ == "__main__":
