@@ -135,3 +135,13 @@ def test_the_gguf_conversion_is_cached_once_when_loaders_race(tmp_path, monkeypa
 
     direct = AutoModelForCausalLM.from_pretrained(M.default_model_dir(), gguf_file=M.DEFAULT_GGUF)
     assert cached.config._name_or_path == got[0] and fingerprint(cached) == fingerprint(direct)
+
+
+def test_the_example_prints_its_text_once_when_piped():
+    p = subprocess.run([sys.executable, "examples/generate_with_lynx.py"], capture_output=True, text=True,
+                       timeout=600, cwd=Path(__file__).parent.parent)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = [l for l in p.stdout.splitlines() if l.strip()]
+    text, stats = "\n".join(lines[:-1]), lines[-1]
+    assert stats.startswith("{'drafted'") and len(text) > 20
+    assert p.stdout.count(text[:20]) == 1  # before: the streamer's text, then the same text printed again

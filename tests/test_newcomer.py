@@ -125,3 +125,15 @@ def test_ten_connections_in_a_row_succeed_under_load(model_and_tok):
         srv.close()
         for p in burn:
             p.kill()
+
+
+def test_eval_help_names_the_flags_a_user_needs(capsys):
+    from lynx_hf.eval.lm_eval_model import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code in (0, None)
+    for flag in ("lynx-hf eval run --help", "--model lynx", "--model_args", "--tasks", "--limit", "--output_path",
+                 "--debug", "kv=MODE"):
+        assert flag in out, flag
