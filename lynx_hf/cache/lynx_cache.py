@@ -31,10 +31,7 @@ on top (measured against this bound in docs/performance.md). The cache knows not
 its telemetry is a `Trace` (`cache.trace`, `cache.stats`)."""
 from __future__ import annotations
 
-import copy
 import hashlib
-import inspect
-import sys
 import threading
 import time
 import warnings
@@ -50,6 +47,7 @@ from ..loader import LoaderError
 from ..quant import SplitKV
 from ..trace import Trace
 from .layer import KINDS, LynxLayer
+from .turns import Turns
 
 PROMPT_MISMATCH = ("generate got another prompt than the one this LynxCache was prefilled with (its ids or its "
                    "attention mask differ): pass generate the input_ids and attention_mask given to from_prefill "
@@ -57,15 +55,12 @@ PROMPT_MISMATCH = ("generate got another prompt than the one this LynxCache was 
 UNBOUND_PLAIN = ("generate() without custom_generate needs a LynxCache that knows its model, to take the prefill's "
                  "logits for the first step: build it with LynxCache.for_model / from_prefill or call "
                  "cache.bind(model) first (or pass custom_generate=lynx_hf.speculative_generate)")
-BUSY = "this LynxCache is in use by a generate call that has not finished"
-BROKEN = ("a generation on this LynxCache failed part-way, so what it holds is unknown: build a new one from the prefill "
-          "(LynxCache.from_prefill or a new request)")
 PLAIN_GENERATE_HINT = ("LynxCache: generate() without custom_generate waits for the residual stream and decodes on "
                        "the full tier. Pass custom_generate=lynx_hf.speculative_generate to draft on the anchor tier "
                        "while the residual streams in (same output).")
 
 
-class LynxCache(Cache):
+class LynxCache(Turns, Cache):
     """Cache for a transferred prompt of `prompt_len` tokens: one LynxLayer per decoder layer, sliding where
     `sliding_windows[i]` is a window (see `arch.layer_windows`; `LynxCache.for_model` reads them from a model)."""
 
@@ -121,24 +116,6 @@ class LynxCache(Cache):
         self._tokens = input_ids.detach().long().cpu().clone()
         return self
 
-    def check_media(self, kwargs: dict) -> dict:
-        """Images / audio given to generate must be the ones the prompt was prefilled with (their KV is in the cache;
-        they are not run again); returns them, for the caller to keep out of forward passes."""
-        g = _generate_locals()  # the caller's own arguments: Transformers may have encoded the images already
-        media = media_inputs({**((g or {}).get("kwargs") or {}), **kwargs})
-        encoded = kwargs.get("mm_encoder_outputs")  # {modality: output} Transformers encoded ahead; {}: none
-        strip = sorted(set(media_inputs(kwargs)) | ({"mm_encoder_outputs"} if encoded else set()))
-        if not media and not strip:
-            return []
-        names = ", ".join(sorted(media)) or "mm_encoder_outputs"
-        if self._media_key is None:
-            raise ValueError(f"generate got {names}, but this LynxCache was prefilled without them: pass the same "
-                             f"inputs to LynxCache.from_prefill(model, input_ids, {names.split(', ')[0]}=...) so that "
-                             f"its KV holds them")
-        if media and media_key(media) != self._media_key:
-            raise ValueError(f"generate's {names} differ from the ones this LynxCache was prefilled with")
-        return strip
-
     def check_prompt(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
         """Raise ValueError unless [B, P] input_ids and their mask are the recorded prompt's (no record: no check)."""
         if self._prompt is None:
@@ -157,197 +134,6 @@ class LynxCache(Cache):
         if value:
             self._enter_plain_generate()
         self._in_generate = bool(value)
-
-    # -- turns --------------------------------------------------------------------------------------------------------
-    @property
-    def turns(self) -> int:
-        """Generations run on this cache."""
-        self._settle()
-        return self._turns
-
-    @property
-    def held_ids(self) -> torch.Tensor | None:
-        """[B, held]: the ids whose KV this cache holds once a generation is over (None before)."""
-        self._settle()
-        if self._phase != "held":
-            return None
-        return self._tokens[:, :min(self.layers[0].end, self._tokens.shape[1])]
-
-    def _settle(self) -> None:
-        """A plain generate call that ran is over once anything else touches the cache: it holds what was run."""
-        if self._phase == "plain":
-            self._phase = "held" if self._ran else self._before
-            if self._ran:
-                self._turns += 1
-                self.close()
-
-    def _enter_plain_generate(self) -> None:
-        self._settle()
-        g = _generate_locals()
-        if g is not None and callable(g.get("custom_generate")):
-            return  # speculative_generate takes the call
-        if self._phase in ("busy", "broken"):
-            raise ValueError(BUSY if self._phase == "busy" else BROKEN)
-        if g is not None and isinstance(g.get("self"), torch.nn.Module):
-            refuse_encoder_decoder(g["self"])
-            if not self._bound:
-                self.bind(g["self"])
-        self._strip = self.check_media((g or {}).get("model_kwargs") or {})
-        self._before, self._ran = self._phase, False
-        if self._phase == "held":
-            if g is None:
-                raise ValueError("continuing a LynxCache needs Transformers' own generate (its input_ids were not found)")
-            mask = (g.get("model_kwargs") or {}).get("attention_mask")
-            self.continue_turn(g["input_ids"], mask)
-            self._first_plain = False
-        else:
-            self._first_plain = True
-        self._phase = "plain"
-
-    def _record(self, ids: torch.Tensor) -> None:
-        """The ids a plain generate runs, by position (the cache's length before the forward)."""
-        pos, n = self.get_seq_length(), ids.shape[1]
-        if self._tokens is None:
-            return
-        if self._tokens.shape[1] < pos + n:
-            grow = self._tokens.new_zeros(self._tokens.shape[0], pos + n - self._tokens.shape[1])
-            self._tokens = torch.cat([self._tokens, grow], 1)
-        self._tokens[:, pos:pos + n] = ids.detach().cpu()
-
-    def _seal_all(self) -> None:
-        """Make the conversation plain full-precision KV (waiting for the residual if it is still streaming)."""
-        if all(l.sealed for l in self.layers):
-            return
-        if any(l.tier != "full" for l in self.layers):
-            with self._lock:
-                gone = self.loader is None and not self._complete("residual")
-            if gone:
-                raise ValueError("this LynxCache cannot be continued: its residual stream was stopped before it landed "
-                                 "(a cache pinned to the anchor tier, or a cancelled request)")
-            self.wait_residual()
-            with self._lock:
-                snaps = [self._snapshot(l) for l in self.layers]
-            for l, snap in zip(self.layers, snaps):
-                if l.tier != "full":
-                    l.materialise("full", snap, self.dtype, self.device)
-        self.close()
-        for l in self.layers:
-            l.rerun = 0
-            l.seal()
-        if self._tokens is not None and self.layers[0].end > self._tokens.shape[1]:  # KV of drafts past an EOS
-            for l in self.layers:
-                l.crop_to(self._tokens.shape[1])
-
-    def continue_turn(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
-        """Make a held cache (or a fresh one, whose prompt `input_ids` extends) ready for the turn `input_ids` [1, L]:
-        check `input_ids[:, :held]` against the ids it holds, drop what a contradiction (`on_mismatch="crop"`) or a
-        turn without a new token leaves behind, and return `start`: positions [start, L) are new (start < L)."""
-        self._settle()
-        if self._phase in ("busy", "plain", "broken"):
-            raise ValueError(BROKEN if self._phase == "broken" else BUSY)
-        if self._tokens is None:
-            raise ValueError("this LynxCache does not know the ids it holds (built without expect_prompt): it cannot "
-                             "be continued")
-        if input_ids.dim() != 2 or input_ids.shape[0] != 1 or self._tokens.shape[0] != 1:
-            raise ValueError("continuing a conversation on a LynxCache takes one row: continue each row on its own "
-                             "cache (copy.deepcopy(cache) then cache.batch_select_indices([row])), or prefill the "
-                             "batch anew with LynxCache.from_prefill")
-        if attention_mask is not None and not bool(attention_mask.bool().all()):
-            raise ValueError("a continued turn cannot have padding (its attention_mask has zeros)")
-        self._seal_all()
-        self._phase = "held"
-        held, L = self.layers[0].end, input_ids.shape[1]
-        known, ids = self._tokens[0, :held], input_ids[0].detach().cpu().long()
-        m = min(held, L)
-        diff = (ids[:m] != known[:m]).nonzero()
-        if len(diff):
-            d = int(diff[0])
-            if self.on_mismatch != "crop":
-                raise ValueError(f"input_ids contradict the conversation this LynxCache holds: position {d} is token "
-                                 f"{int(ids[d])} here but {int(known[d])} in the cache ({held} tokens held). Pass the "
-                                 f"conversation as the cache holds it (cache.held_ids, then the new tokens), or set "
-                                 f"cache.on_mismatch = 'crop' to drop the cached KV from position {d} on and recompute it")
-            m = d
-        start = min(m, L - 1)
-        if start < held:
-            for l in self.layers:
-                l.crop_to(start)
-        self._tokens = ids[None].clone()
-        return start
-
-    @torch.no_grad()
-    def extend_here(self, model, input_ids: torch.Tensor, start: int) -> None:
-        """Run the new positions [start, L) of `input_ids` through `model` on this cache (after `continue_turn`), as
-        Transformers does with its own caches: their KV joins the held KV in full precision and the last position's
-        logits become the turn's first-token logits. The cache then serves `input_ids` as a fresh prompt."""
-        L = input_ids.shape[1]
-        kw = {}
-        if "position_ids" in inspect.signature(model.forward).parameters:
-            kw["position_ids"] = torch.arange(start, L, device=input_ids.device)[None]
-        out = model(input_ids=input_ids[:, start:], cache=self, use_cache=True, logits_to_keep=1, **kw)
-        for l in self.layers:
-            l.append_sealed(L)
-        self._new_prompt(input_ids)
-        self.prefill_logits = out.logits[:, -1]
-
-    def begin_range(self, input_ids: torch.Tensor) -> "LynxCache":
-        """After `continue_turn`: positions [start, L) of `input_ids` [1, L] will arrive through a loader (anchor
-        first, then residual, then the last position's logits), in front of which the held KV stays."""
-        L = input_ids.shape[1]
-        for l in self.layers:
-            l.begin_range(L)
-        self._new_prompt(input_ids)
-        return self
-
-    def _new_prompt(self, input_ids: torch.Tensor) -> None:
-        self.prompt_len = input_ids.shape[1]
-        self.prefill_logits, self._error = None, None
-        self._pending_full = [False] * len(self.layers)
-        self.trace = Trace()
-        self.expect_prompt(input_ids)
-        self._phase = "fresh"
-
-    def start_generate(self) -> None:
-        """speculative_generate takes the cache (fresh: its prompt was checked)."""
-        if self._phase != "fresh" or self._pinned:
-            raise ValueError(BUSY if self._phase in ("busy", "plain") else BROKEN if self._phase == "broken" else
-                             "this LynxCache was pinned to a tier for plain generate")
-        self._phase = "busy"
-
-    def end_generate(self, sequences: torch.Tensor | None) -> None:
-        """The generation is over: the cache holds `sequences` [B, T] (but the last token's KV); None: it failed.
-        The loader is released once everything it delivers has landed (a held cache is sealed from it)."""
-        if sequences is None:
-            self._phase = "broken"
-            self.close()
-            return
-        self._tokens, self._phase = sequences.detach().long().cpu().clone(), "held"
-        self._turns += 1
-        with self._lock:
-            complete = self._complete("residual") and self.prefill_logits is not None
-        if complete:
-            self.close()
-
-    def __deepcopy__(self, memo):
-        """An independent branch of a held conversation (a fresh cache is sealed first: its residual awaited)."""
-        self._settle()
-        if self._phase in ("busy", "plain", "broken"):
-            raise ValueError(f"copy.deepcopy(LynxCache): {BROKEN if self._phase == 'broken' else BUSY}")
-        self._seal_all()
-        self._phase = "held"
-        new = type(self).__new__(type(self))
-        skip = {"_lock", "_changed", "loader", "_hooks", "_model", "trace"}
-        memo[id(self)] = new
-        for k, v in self.__dict__.items():
-            if k not in skip:
-                setattr(new, k, copy.deepcopy(v, memo))
-        new._lock = threading.Lock()
-        new._changed = threading.Condition(new._lock)
-        new.loader, new._hooks, new._model, new.trace, new._bound = None, [], None, Trace(), False
-        model = self._model() if self._model is not None else None
-        if model is not None:
-            new.bind(model)
-        return new
 
     # -- plain generate: the prefill's exact first-step logits --------------------------------------------------------
     def bind(self, model) -> "LynxCache":
@@ -661,26 +447,6 @@ class LynxCache(Cache):
         cache._media_key = media_key(media_inputs(media))
         return cache, logits.argmax(-1, keepdim=True)
 
-    def add_turn(self, model, input_ids: torch.Tensor, residual_after_steps: int | None = None,
-                 bandwidth_bps: float | None = None) -> torch.Tensor:
-        """The in-process prefill node's answer to a new turn of the conversation this cache holds: it prefills
-        `input_ids` [1, L] in full precision (as a prefill server recomputes what it never saw) and ships only the new
-        positions [held, L), anchor first, with the last position's logits; the held KV stays. Then
-        `model.generate(input_ids, cache=cache, custom_generate=speculative_generate)` drafts on the held prefix plus
-        the new range's anchor and verifies once its residual lands (schedule as in `from_prefill`). Returns the
-        first token [1, 1] (the logits' argmax)."""
-        from ..local import InProcessLoader, prefill
-
-        start = self.continue_turn(input_ids)
-        kv, logits = prefill(model, input_ids)
-        self.begin_range(input_ids)
-        kv = [(k[:, :, k.shape[2] - (self.prompt_len - l.store.offset):], v[:, :, v.shape[2] - (self.prompt_len -
-               l.store.offset):]) for (k, v), l in zip(kv, self.layers)]  # each layer's positions of the range
-        self.put_logits(logits)
-        InProcessLoader(kv, self.quant_config, residual_after_steps, bandwidth_bps).attach(self)
-        self.trace.stats.held_tokens = start
-        return logits.argmax(-1, keepdim=True)
-
     @classmethod
     def from_kv(cls, model, prompt_len: int, kv, logits: torch.Tensor, quant_config: LynxQuantConfig | None = None,
                 residual_after_steps: int | None = None, spec_config: SpecConfig | None = None,
@@ -722,19 +488,6 @@ def _prompt_key(ids: torch.Tensor, mask: torch.Tensor) -> str:
     h.update(ids.detach().long().cpu().numpy().tobytes())
     h.update(mask.numpy().tobytes())
     return h.hexdigest()
-
-
-def _generate_locals() -> dict | None:
-    """The locals of the Transformers `generate` call on the stack (its input_ids, model_kwargs, custom_generate, the
-    model as `self`), or None."""
-    f = sys._getframe(1)
-    for _ in range(16):
-        if f is None:
-            return None
-        if f.f_code.co_name == "generate" and f.f_globals.get("__name__") == "transformers.generation.utils":
-            return f.f_locals
-        f = f.f_back
-    return None
 
 
 def _remove_hooks(handles) -> None:

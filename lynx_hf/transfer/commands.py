@@ -68,8 +68,11 @@ def _serve_prefill(a):
     bw = a.bandwidth_mbps
     if bw is not None and not (math.isfinite(bw) and bw > 0):
         raise SystemExit(f"lynx-hf serve-prefill: error: --bandwidth-mbps must be a finite number > 0, got {bw}")
-    try:  # the port first: a port in use is said before the model loads
-        sock = socket.create_server((host, port), reuse_port=False)
+    try:  # the port first, bound but not yet listening: a port in use is said before the model loads, and a
+        # client that connects while the model loads is refused (it retries) rather than left waiting for a HELLO
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
     except OSError as e:
         raise SystemExit(f"lynx-hf serve-prefill: error: cannot listen on {host}:{port}: {e.strerror or e}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

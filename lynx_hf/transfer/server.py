@@ -113,6 +113,8 @@ class PrefillServer:
         self.bw, self.latency, self.hs_timeout, self.max_conn = bandwidth_bps, latency_s, handshake_timeout, max_connections
         self.max_preauth, self.max_preauth_per_host = max_preauth, max_preauth_per_host
         self.idle_timeout_s, self.send_timeout_s, self.chunk = idle_timeout_s, send_timeout_s, prefill_chunk
+        if listen_socket is not None:  # bound by the caller (serve-prefill, before loading the model): listen now
+            listen_socket.listen()
         self.sock = listen_socket or socket.create_server((host, port), reuse_port=False)
         self.address = self.sock.getsockname()[:2]
         self.compute = ComputeQueue()
