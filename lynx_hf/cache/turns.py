@@ -38,6 +38,13 @@ class Turns:
             return None
         return self._tokens[:, :min(self.layers[0].end, self._tokens.shape[1])]
 
+    def continues(self, input_ids: torch.Tensor) -> bool:
+        """Whether a generate of `input_ids` [B, L] continues what the cache holds: a conversation after a generation,
+        or a fresh prompt that the ids extend by more than one token (rather than the prompt it was filled with)."""
+        self._settle()
+        return self._phase == "held" or (self._phase == "fresh" and input_ids.shape[1] > self.prompt_len + 1
+                                         and self._tokens is not None)
+
     def _settle(self) -> None:
         """A plain generate call that ran is over once anything else touches the cache: it holds what was run."""
         if self._phase == "plain":

@@ -122,10 +122,8 @@ def _generate(model, input_ids, logits_processor, stopping_criteria, gc, streams
     refuse_encoder_decoder(model)
     cache.check_media(model_kwargs)  # their KV is in the cache: never run again here
     mask = model_kwargs.get("attention_mask")
-    cache._settle()
     n_in = input_ids.shape[1]
-    if cache.held_ids is not None or (cache._phase == "fresh" and n_in > cache.prompt_len + 1
-                                      and cache._tokens is not None):
+    if cache.continues(input_ids):
         # a conversation goes on: only the new positions run here (their KV joins the held KV in full precision)
         cache.extend_here(model, input_ids, cache.continue_turn(input_ids, mask))
         streams._skip = 1  # the conversation so far was the given streamer's prompt
