@@ -208,3 +208,20 @@ def test_a_streamed_turn_ships_only_its_new_positions():
     new = ids.shape[1] - cache.stats.held_tokens
     assert new == 21  # the last reply token (its KV was never computed) and 20 new ones
     assert cache.nbytes() == pytest.approx(per_token * new, rel=0.05)
+
+
+def test_the_plain_path_checks_the_whole_prompt_not_its_last_token():
+    """Before: plain generate compared only the prompt's last token and the mask; a prompt of the same length that
+    shares that token reused the other prompt's KV silently."""
+    m = build()
+    ids = toks(24, 20)
+    other = ids.clone()
+    other[0, 3] = 3 + (int(other[0, 3]) - 2) % (V - 3)  # same length, same last token
+    cache, _ = LynxCache.from_prefill(m, ids, quant_config=IDENT, residual_after_steps=0)
+    with pytest.raises(ValueError, match="another prompt than the one this LynxCache was prefilled with"):
+        m.generate(other, cache=cache, **KW)
+    with pytest.raises(ValueError, match="holds a 24-token prompt"):
+        m.generate(ids[:, :20], cache=cache, **KW)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert m.generate(ids, cache=cache, **KW).tolist() == m.generate(ids, **KW).tolist()  # still usable

@@ -73,6 +73,16 @@ class Turns:
             self.continue_turn(g["input_ids"], mask)
             self._first_plain = False
         else:
+            if g is not None and g.get("input_ids") is not None:  # the whole prompt, not only its last token
+                ids, mask = g["input_ids"], (g.get("model_kwargs") or {}).get("attention_mask")
+                if ids.shape[1] < self.prompt_len:
+                    raise ValueError(f"generate got {ids.shape[1]} tokens but this LynxCache holds a "
+                                     f"{self.prompt_len}-token prompt: pass that prompt (or a conversation extending it)")
+                P = self.prompt_len
+                if self._prompt is not None and ids.shape[0] != len(self._prompt[1]):
+                    raise ValueError(f"LynxCache holds {len(self._prompt[1])} sequence(s) but generate runs "
+                                     f"{ids.shape[0]}: num_beams > 1 and num_return_sequences > 1 are not supported")
+                self.check_prompt(ids[:, :P], None if mask is None else mask[:, :P])
             self._first_plain = True
         self._phase = "plain"
 
