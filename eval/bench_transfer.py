@@ -168,7 +168,9 @@ def _request(cli: DecodeClient, ids: list[int], cfg, spec: bool, new_tokens: int
 
 
 def run(links_mbps=LINKS_MBPS, contexts=CONTEXTS, prompts=("code", "shakespeare"), new_tokens=32,
-        out="runs/bench_transfer", as_json=False, model_name=None) -> dict:
+        out="runs/bench_transfer", as_json=False, model_name=None, data_plane="tcp") -> dict:
+    """links_mbps: emulated link speeds (0: none, loopback as it is); data_plane: "tcp" or "nixl" (the segments'
+    bytes by NIXL)."""
     say = (lambda *a: None) if as_json else print
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -188,7 +190,8 @@ def run(links_mbps=LINKS_MBPS, contexts=CONTEXTS, prompts=("code", "shakespeare"
     for link in links_mbps:
         if not any(k[0] == link for k in todo):
             continue
-        with prefill_child(model, link * 1e6, ids[next(iter(ids))][:64], model_name, timeout_s=600) as cli:
+        with prefill_child(model, link * 1e6, ids[next(iter(ids))][:64], model_name, timeout_s=600,
+                           data_plane=data_plane) as cli:
             for prompt in texts:
                 for ctx in contexts:
                     n = min(ctx, max_ctx)
@@ -199,7 +202,10 @@ def run(links_mbps=LINKS_MBPS, contexts=CONTEXTS, prompts=("code", "shakespeare"
                         st = r["stats"]
                         row = {"link_mbps": link, "prompt": prompt, "context": ctx, "prompt_tokens": n,
                                "method": name, **{k: r[k] for k in ("ttft_s", "ttft_verified_s", "tt32t_s", "bytes",
-                                                                     "prefill_s")},
+                                                                     "prefill_s", "placed_segments")},
+                               "data_plane": data_plane,
+                               # the KV's bytes over the time from the request to the last segment's arrival
+                               "mb_per_s": r["bytes"] / 1e6 / (st.get("residual_at_s") or st.get("anchors_at_s")),
                                "drafted": st.get("drafted", 0), "accepted": st.get("accepted", 0),
                                "peak_rss_mb": mem.delta / 1e6, "tokens": r["tokens"],
                                # tail: the generated tokens and at most one verify pass's tree nodes

@@ -47,9 +47,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_server(port: int, bandwidth_bps: float, secret: str, model: str | None, extra: tuple = ()):
-    cmd = [sys.executable, "-m", "lynx_hf.cli", "serve-prefill", "--listen", f"127.0.0.1:{port}",
-           "--bandwidth-mbps", str(bandwidth_bps / 1e6)] + (["--model", model] if model else []) + list(extra)
+def _start_server(port: int, bandwidth_bps: float | None, secret: str, model: str | None, extra: tuple = ()):
+    cmd = [sys.executable, "-m", "lynx_hf.cli", "serve-prefill", "--listen", f"127.0.0.1:{port}"] + \
+        (["--bandwidth-mbps", str(bandwidth_bps / 1e6)] if bandwidth_bps else []) + \
+        (["--model", model] if model else []) + list(extra)
     env = dict(os.environ, LYNX_SECRET=secret)
     # the child's log goes to a file, not a pipe: a pipe nobody drains blocks the server once ~64 KiB accumulate
     log = tempfile.TemporaryFile(mode="w+")
@@ -70,15 +71,20 @@ def _start_server(port: int, bandwidth_bps: float, secret: str, model: str | Non
 
 
 @contextlib.contextmanager
-def prefill_child(model, bandwidth_bps: float, warmup_ids: list[int], model_name: str | None = None,
-                  timeout_s: float = 120, server_args: tuple = ()):
-    """A `serve-prefill` child process behind the link emulator (`server_args`: more of its flags), and a
-    DecodeClient connected to it and warmed up (one short request through both processes); the child is stopped on
-    exit."""
+def prefill_child(model, bandwidth_bps: float | None, warmup_ids: list[int], model_name: str | None = None,
+                  timeout_s: float = 120, server_args: tuple = (), data_plane: str = "tcp"):
+    """A `serve-prefill` child process behind the link emulator (`bandwidth_bps` None or 0: no emulation;
+    `server_args`: more of its flags), and a DecodeClient connected to it and warmed up (one short request through
+    both processes); the child is stopped on exit. data_plane "nixl": the segments move by NIXL, which this loopback
+    pair pins to loopback TCP unless $UCX_TLS / $UCX_NET_DEVICES say otherwise."""
+    if data_plane == "nixl":
+        os.environ.setdefault("UCX_TLS", "tcp")
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
+        server_args = (*server_args, "--data-plane", "nixl")
     secret, port = secrets.token_hex(16), _free_port()
     proc = _start_server(port, bandwidth_bps, secret, model_name, server_args)
     try:
-        cli = DecodeClient(model, "127.0.0.1", port, secret=secret, timeout_s=timeout_s)
+        cli = DecodeClient(model, "127.0.0.1", port, secret=secret, timeout_s=timeout_s, data_plane=data_plane)
         cli.generate(warmup_ids, LynxQuantConfig(), max_new_tokens=2)
         yield cli
         cli.close()
@@ -138,15 +144,15 @@ def plot_timeline(runs: dict, path: Path, bandwidth_bps: float, prompt_tokens: i
 
 
 def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_json=False, out_dir="runs",
-        model_name=None, do_sample=False, methods=None):
+        model_name=None, do_sample=False, methods=None, data_plane="tcp"):
     """methods: {row name: LynxQuantConfig} (default METHODS; it must hold "BF16", "INT8", "INT4 (KIVI-4)", "Lynx")."""
     say = (lambda *a: print(*a, file=sys.stderr)) if as_json else print  # --json: stdout holds the JSON line only
     model, tok = lynx_hf.load_default_model(model_name)
     text = open(prompt_file, encoding="utf-8", errors="replace").read() if prompt_file else default_prompt_text()
     ids = tok(text).input_ids[:tokens]
-    say(f"starting the prefill process (link emulator {bandwidth_bps / 1e6:.1f} Mbit/s) ...")
+    say(f"starting the prefill process (link emulator {bandwidth_bps / 1e6:.1f} Mbit/s, data plane {data_plane}) ...")
     runs = {}
-    with prefill_child(model, bandwidth_bps, ids[:64], model_name) as cli:
+    with prefill_child(model, bandwidth_bps, ids[:64], model_name, data_plane=data_plane) as cli:
         methods = methods or METHODS
         plan = [(n, c, True) for n, c in methods.items()] + [
             ("Lynx (no drafts: full-tier reference)", methods["Lynx"], False)]
@@ -177,7 +183,8 @@ def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_jso
                        for n in rows},
            "lynx": {"drafted": rows["Lynx"]["drafted"], "accepted": rows["Lynx"]["accepted"], "identical_to_full": same,
                     "verify_overlap_s": rows["Lynx"]["verify_overlap_s"]},
-           "do_sample": do_sample, "prefill_bound": prefill_bound,
+           "do_sample": do_sample, "prefill_bound": prefill_bound, "data_plane": data_plane,
+           "placed_segments": runs["Lynx"]["placed_segments"],
            "bandwidth_bps": bandwidth_bps, "prompt_tokens": len(ids), "prefill_s": runs["Lynx"]["prefill_s"]}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,9 @@
 #      (eval/dist_pair.py; NCCL when two GPUs are visible, else gloo for the transport, models on CUDA),
 #      INT8 vs Lynx timings, Lynx = full tier, and the PCIe bytes: what the decode side moved host → GPU for the
 #      prompt (h2d_bytes: codes and metadata, dequantized on the GPU) next to the dequantized KV (kv_float_bytes);
-#   4. the roofline prediction of docs/performance.md next to step 2's GB/s; then one JSON line.
+#   4. the roofline prediction of docs/performance.md next to step 2's GB/s;
+#   5. the NIXL data plane (pip install -e .[nixl]): a 2K-token prompt from a prefill child process into a decode
+#      model on CUDA, UCX on loopback; h2d_bytes (host -> device) should equal the codes' bytes; then one JSON line.
 # Everything it prints also lands in $OUT (default runs/gpu_check). Set-up: an existing CUDA torch is reused
 # (a venv with --system-site-packages); otherwise pip brings one.
 set -euo pipefail
@@ -36,10 +38,28 @@ echo "== 3. end to end: prefill rank -> decode rank, default model on CUDA"
 timeout 240 $P -m lynx_hf.eval.dist_pair --device cuda --tokens 2048 | tee "$OUT/dist_pair.json" | tail -1
 echo "== 4. the roofline prediction (docs/performance.md) against what step 2 measured"
 $P -m lynx_hf.eval.roofline --codec "$OUT/bench_codec.txt" | tee "$OUT/roofline.txt" | grep -v '^{'
+echo "== 5. NIXL data plane: host -> device bytes of a 2K-token prompt's segments written by NIXL"
+$P -m pip install -q -e ".[nixl]" || echo "NIXL did not install"
+UCX_TLS=tcp UCX_NET_DEVICES=lo timeout 240 $P - <<'PY' | tee "$OUT/nixl.json" | tail -1 || echo '{"nixl": "failed"}' > "$OUT/nixl.json"
+import json, lynx_hf
+from lynx_hf import LynxQuantConfig
+from lynx_hf.eval.demo import default_prompt_text, prefill_child
+model, tok = lynx_hf.load_default_model()
+model = model.cuda()
+ids = tok(default_prompt_text()).input_ids[:2048]
+with prefill_child(model, None, ids[:32], data_plane="nixl") as cli:
+    r = cli.generate(ids, LynxQuantConfig(), max_new_tokens=32)
+print(json.dumps({"nixl": {k: r[k] for k in ("placed_segments", "bytes", "h2d_bytes", "ttft_s", "tt32t_s")},
+                  "codes_only": r["h2d_bytes"] == r["bytes"]}))
+PY
 $P - "$OUT" <<'PY'
 import json, sys
 out = sys.argv[1]
 last = lambda f: json.loads([l for l in open(f"{out}/{f}").read().splitlines() if l.startswith("{")][-1])
 res = {"roofline_check": last("roofline.txt").get("check"), "dist_pair": last("dist_pair.json")}
+try:
+    res["nixl"] = last("nixl.json")
+except (OSError, IndexError, ValueError):
+    res["nixl"] = None
 print(json.dumps(res))
 PY

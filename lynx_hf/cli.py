@@ -25,6 +25,7 @@ def _codec_quality(a):
 
 
 BENCH_OUT = "runs/bench_transfer"
+NIXL_EXTRA = "pip install 'lynx-hf[nixl]'"
 
 
 def _bench(a):
@@ -63,14 +64,22 @@ def _bench(a):
     else:
         from lynx_hf.eval import bench_transfer
 
+        from lynx_hf.transfer.commands import plane_or_exit
+
+        plane_or_exit(a)
+        out = f"{BENCH_OUT}_nixl" if a.out == BENCH_OUT and a.data_plane == "nixl" else a.out
         bench_transfer.run(links_mbps=a.links, contexts=a.contexts, prompts=a.prompts, new_tokens=a.new_tokens,
-                           out=a.out, as_json=a.json, model_name=a.model)
+                           out=out, as_json=a.json, model_name=a.model, data_plane=a.data_plane)
 
 
 def _demo(a):
     from lynx_hf.eval import demo
 
-    demo.run(a.prompt_file, a.tokens, a.bandwidth_mbps * 1e6, a.new_tokens, a.json, a.out, a.model, a.do_sample)
+    from lynx_hf.transfer.commands import plane_or_exit
+
+    plane_or_exit(a)
+    demo.run(a.prompt_file, a.tokens, a.bandwidth_mbps * 1e6, a.new_tokens, a.json, a.out, a.model, a.do_sample,
+             data_plane=a.data_plane)
 
 
 def _acceptance(a):
@@ -173,7 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="codec")
     b.add_argument("--max-mb", type=float, default=1200, help="codec: largest tensor of the size sweep")
     b.add_argument("--reps", type=int, default=5, help="codec: timed repetitions per size (the median is reported)")
-    b.add_argument("--links", type=float, nargs="+", default=[50, 200, 1000, 10000], help="transfer: Mbit/s")
+    b.add_argument("--links", type=float, nargs="+", default=[50, 200, 1000, 10000],
+                   help="transfer: Mbit/s (0: no emulation, loopback as it is)")
+    b.add_argument("--data-plane", choices=["tcp", "nixl"], default="tcp",
+                   help=f"transfer: the segments' bytes over the channel or by NIXL ({NIXL_EXTRA}; results in "
+                        f"runs/bench_transfer_nixl)")
     b.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192], help="transfer: prompt tokens")
     b.add_argument("--prompts", nargs="+", default=["code", "shakespeare"],
                    help="transfer: 'code' (stdlib source), 'shakespeare' (shared data) or text files")
@@ -206,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model", help="Hub id or local path (default: embedded SmolLM2-135M-Instruct)")
     d.add_argument("--json", action="store_true", help="print only the final JSON line")
     d.add_argument("--do-sample", action="store_true", help="sample (temperature 0.7, seeded) instead of greedy")
+    d.add_argument("--data-plane", choices=["tcp", "nixl"], default="tcp",
+                   help=f"the segments' bytes over the TCP channel or by NIXL ({NIXL_EXTRA}; pinned to loopback "
+                        f"TCP unless $UCX_TLS / $UCX_NET_DEVICES are set)")
     d.set_defaults(fn=_demo)
 
     r = _sub(sub, "results", "the paper's table by KV mode: wire, TTFT/TT32T, RULER, MMLU-Pro (docs/results.md, "

@@ -158,12 +158,13 @@ class InProcessLoader(Loader):
     def _link(self):
         """Anchor of every layer, then residual of every layer, over one link of `bw` bits/s (strict priority)."""
         link = LinkEmulator(self.bw, self.latency)
+        ready = link.nic.clock()  # every segment is queued from the start: a late thread loses no link time
         try:
             for stream in ("anchor", "residual"):
                 for i, (sk, sv) in enumerate(self.splits):
                     for kind, s in (("key", sk), ("value", sv)):
                         n = s.nbytes("anchor") if stream == "anchor" else s.nbytes("full") - s.nbytes("anchor")
-                        if link.pace(n, self._stop):
+                        if link.pace(n, self._stop, ready_at=ready):
                             return
                         if stream == "anchor":
                             self.cache.put_anchor(i, kind, self.starts[i], anchor_only(s))

@@ -339,7 +339,7 @@ def test_a_handler_that_fails_releases_its_slot(tiny, monkeypatch):
         def broken(*a, **k):
             raise RuntimeError("test: broken link")
 
-        monkeypatch.setattr(S, "LinkEmulator", broken)
+        monkeypatch.setattr(srv.nic, "port", broken)
         for _ in range(4):
             socket.create_connection(srv.address, timeout=5).close()
         assert wait_until(lambda: srv.preauth == 0 and srv.connections == 0)

@@ -196,9 +196,9 @@ def test_an_old_client_gets_a_clear_refusal():
 
     from lynx_hf.transfer.wire import HEADER, MAGIC, parse_frame
 
-    head = HEADER.pack(MAGIC, 5, int(FrameType.HELLO), 0, 0, 0, 0, 2, 0)
+    head = HEADER.pack(MAGIC, 6, int(FrameType.HELLO), 0, 0, 0, 0, 2, 0)
     frame = head[:-4] + struct.pack("<I", zlib.crc32(b"{}", zlib.crc32(head))) + b"{}"
-    with pytest.raises(WireError, match="protocol version 5 is not supported .this side speaks 6"):
+    with pytest.raises(WireError, match="protocol version 6 is not supported .this side speaks 7"):
         parse_frame(frame)
 
 

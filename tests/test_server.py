@@ -131,8 +131,8 @@ def test_connection_limit_refuses_clearly(tiny):
 
 
 def test_a_long_transfer_does_not_stall_a_short_request(tiny, monkeypatch):
-    """Two clients, one link each (0.4 Mbit/s emulated): a 10-token request's TTFT is its own, not the time left
-    on another client's 200 KB transfer."""
+    """Two clients sharing the server's one emulated NIC (0.4 Mbit/s): a 10-token request gets its share of the wire
+    at once (deficit round-robin over 16 KiB packets), not the time left on another client's 100 KB transfer."""
     queued = threading.Event()  # the long request's prefill is done and its KV queued behind the emulated link
     serve, await_sent, long_rq = P.serve_request, P._await_sent, threading.local()
 

@@ -334,7 +334,7 @@ def test_the_receiver_runs_no_torch_compute_op(dtype):
     def receive():
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for f in frames:
-                loader._segment(f, B, H, D, dtype)
+                loader._segment(f.stream, f.payload, B, H, D, dtype)
             cache.put_logits(logits)
         ops["names"] = {e.name for e in prof.events()}
 

@@ -13,6 +13,7 @@ SECRET_HELP = ("shared secret; visible to every local user in the process list: 
                "$LYNX_SECRET")
 SECRET_FILE_HELP = "read the shared secret from this file's first line (or set $LYNX_SECRET); one of them is required"
 MODEL_HELP = "Hub id or local path (default: embedded SmolLM2-135M-Instruct)"
+NIXL_HELP = "pip install 'lynx-hf[nixl]'; UCX_TLS / UCX_NET_DEVICES choose its transports and interfaces"
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -54,6 +55,17 @@ def _secret_or_exit(a, host: str) -> str | None:
     return secret
 
 
+def plane_or_exit(a) -> None:
+    """--data-plane, checked before the model loads: NIXL missing is one line naming the install command."""
+    from ..errors import ConfigError
+    from .nixl import check_plane
+
+    try:
+        check_plane(a.data_plane)
+    except ConfigError as e:
+        raise SystemExit(f"lynx-hf {a.cmd}: error: {e}")
+
+
 def _serve_prefill(a):
     import lynx_hf
     from ..errors import ConfigError
@@ -62,6 +74,7 @@ def _serve_prefill(a):
 
     host, port = _hostport(a.listen, a.cmd)
     secret = _secret_or_exit(a, host)
+    plane_or_exit(a)
     if a.tls_key and not a.tls_cert:
         raise SystemExit("lynx-hf serve-prefill: error: --tls-key without --tls-cert (pass both, or neither for "
                          "plain TCP)")
@@ -83,7 +96,7 @@ def _serve_prefill(a):
                             latency_s=a.latency_ms / 1e3, handshake_timeout=a.handshake_timeout,
                             max_preauth=a.max_preauth, max_preauth_per_host=a.max_preauth_per_host,
                             idle_timeout_s=a.idle_timeout, send_timeout_s=a.send_timeout, prefill_chunk=a.prefill_chunk,
-                            prefix_cache_mb=a.prefix_cache_mb)
+                            prefix_cache_mb=a.prefix_cache_mb, data_plane=a.data_plane)
     except ConfigError as e:
         raise SystemExit(f"lynx-hf serve-prefill: error: {e}")
     logging.getLogger("lynx_hf.prefill").info("serving on %s:%s", *srv.address)
@@ -127,10 +140,11 @@ def _serve_decode(a):
 
     host, port = _hostport(a.prefill, a.cmd)
     secret = _secret_or_exit(a, host)
+    plane_or_exit(a)
     model, tok = lynx_hf.load_default_model(a.model)
     fp = fingerprint(model)  # once per process, before any connection (a reconnect needs no second pass)
     connect = lambda: DecodeClient(model, host, port, secret=secret, insecure=a.insecure, tls=a.tls, tls_ca=a.tls_ca,
-                                   timeout_s=a.timeout, model_fingerprint=fp)
+                                   timeout_s=a.timeout, model_fingerprint=fp, data_plane=a.data_plane)
     cli = sess = None
     cfg = LynxQuantConfig.from_pretrained(a.lynx_config) if a.lynx_config else LynxQuantConfig(method=a.method)
     failed = False
@@ -200,6 +214,9 @@ def register(sub) -> None:
     p.add_argument("--prefix-cache-mb", type=float, default=512.0,
                    help="full-precision KV of prefilled prompts kept for later turns and other clients (LRU, by "
                         "256-token chunks; 0: off)")
+    p.add_argument("--data-plane", choices=["tcp", "nixl"], default="tcp",
+                   help=f"nixl: also let clients have the segments' bytes written into their memory by NIXL (UCX; "
+                        f"{NIXL_HELP}); the control frames stay on the authenticated channel")
     p.add_argument("--secret", help=SECRET_HELP)
     p.add_argument("--secret-file", help=SECRET_FILE_HELP)
     p.add_argument("--insecure", action="store_true", help="no secret: a publicly known key (loopback only)")
@@ -227,6 +244,9 @@ def register(sub) -> None:
                    help="seconds of silence from the server before a request fails (a queued request hears "
                         "PROGRESS frames meanwhile)")
     q.add_argument("--no-drafts", action="store_true", help="wait for the full tier (reference decoding)")
+    q.add_argument("--data-plane", choices=["tcp", "nixl"], default="tcp",
+                   help=f"the segments' bytes over the channel, or written into this process's memory by NIXL "
+                        f"({NIXL_HELP}; the server needs --data-plane nixl too)")
     q.add_argument("--secret", help=SECRET_HELP)
     q.add_argument("--secret-file", help=SECRET_FILE_HELP)
     q.add_argument("--insecure", action="store_true", help="no secret: a publicly known key (loopback only)")

@@ -19,9 +19,11 @@ from ..arch import fingerprint, kv_geometry
 from ..cache import LynxCache
 from ..config import LynxQuantConfig, SpecConfig
 from ..engine.warm import warm_up
+from ..errors import ConfigError
 from ..loader import Loader
 from .prefix_cache import token_digest
-from .serde import check_residual, to_split, unpack_logits, unpack_segment, warm
+from . import nixl
+from .serde import check_residual, stream_bound, to_split, unpack_logits, unpack_segment, warm
 from .session import Channel, client_handshake, resolve_secret
 from .transport import TcpTransport, TlsTcpTransport
 from .wire import FrameType, Stream, WireError
@@ -36,13 +38,15 @@ class NetworkLoader(Loader):
     belongs to the DecodeClient, whose next request starts after it. `close` before END (the decoder stopped early:
     EOS, a stop string, max tokens) sends CANCEL, and the prefill side drops the frames it still has queued."""
 
-    def __init__(self, ch: Channel, prompt: dict, rid: int, timeout_s: float = 30.0):
-        self.ch, self.p, self.rid, self.timeout = ch, prompt, rid, timeout_s
+    def __init__(self, ch: Channel, prompt: dict, rid: int, timeout_s: float = 30.0, arena=None):
+        """arena: the request's NIXL receive memory (`nixl.Arena`), which PLACED frames refer to; closed at END."""
+        self.ch, self.p, self.rid, self.timeout, self.arena = ch, prompt, rid, timeout_s, arena
         self.prefill_s: float | None = None
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.cancelled = False
         self.dropped = 0  # frames the prefill side dropped after our CANCEL
+        self.placed = 0   # segments that came by the data plane (PLACED frames)
 
     def attach(self, cache: LynxCache) -> "NetworkLoader":
         self.cache = cache
@@ -55,11 +59,16 @@ class NetworkLoader(Loader):
         B, H, D, dtype = p["batch"], p["kv_heads"], p["head_dim"], DTYPES[p["dtype"]]
         try:
             while True:
-                f = self.ch.recv(self.timeout)
+                f = self._recv()
                 if f.request_id != self.rid:
                     raise WireError(f"frame for request {f.request_id} inside request {self.rid}")
                 if f.type == FrameType.SEGMENT:
-                    self._segment(f, B, H, D, dtype)
+                    self._segment(f.stream, f.payload, B, H, D, dtype)
+                elif f.type == FrameType.PLACED:
+                    if self.arena is None:
+                        raise WireError("a PLACED frame, but this request named no data-plane arena")
+                    self._segment(f.stream, self.arena.take(f.payload, self.timeout), B, H, D, dtype)
+                    self.placed += 1
                 elif f.type == FrameType.PROGRESS:
                     continue  # the request waits for the prefill's compute: the server is alive, keep waiting
                 elif f.type == FrameType.FIRST:
@@ -72,6 +81,7 @@ class NetworkLoader(Loader):
                     self.ch.checker.skip_to(Stream.RESIDUAL, j.get("residual_frames"))
                     self.dropped = int(j.get("dropped") or 0)
                     self.prefill_s = j.get("prefill_s")
+                    self._release()
                     self.done.set()
                     return
                 elif f.type == FrameType.END:
@@ -82,6 +92,7 @@ class NetworkLoader(Loader):
                     if self.cache.prefill_logits is None or not self.cache.residual_ready():
                         raise WireError("END before the whole prompt KV and the logits arrived")
                     self.prefill_s = j.get("prefill_s")
+                    self._release()
                     self.done.set()
                     return
                 else:
@@ -99,8 +110,24 @@ class NetworkLoader(Loader):
             except Exception:  # noqa: BLE001 — a broken connection shows up in the receiver as well
                 pass
 
-    def _segment(self, f, B, H, D, dtype) -> None:
-        layer, kind, axis, start, count, tensors = unpack_segment(f.payload)
+    def _recv(self):
+        """The next frame; with a NIXL arena, UCX is progressed while none is waiting (it has no thread of its own)."""
+        if self.arena is not None:
+            deadline = time.monotonic() + self.timeout
+            while not self.ch.t.readable(0.002):
+                self.arena.agent.progress()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no frame from the peer within {self.timeout:.3g} s")
+        return self.ch.recv(self.timeout)
+
+    def _release(self) -> None:
+        """The streams have ended: nothing more is written into the arena (every write completed before its PLACED
+        frame was sent, and END follows them)."""
+        if self.arena is not None:
+            self.arena.close()
+
+    def _segment(self, stream, payload, B, H, D, dtype) -> None:
+        layer, kind, axis, start, count, tensors = unpack_segment(payload)
         P, cfg = self.p["prompt_len"], self.cache.quant_config
         if not 0 <= layer < self.p["num_layers"]:
             raise WireError(f"segment for layer {layer} of {self.p['num_layers']}")
@@ -109,9 +136,9 @@ class NetworkLoader(Loader):
         if not (0 < count and first <= start and start + count <= P):
             raise WireError(f"segment of layer {layer}: tokens [{start}, {start + count}) outside [{first}, {P})")
         shape = (B, H, count, D)
-        if f.stream == Stream.ANCHOR:
+        if stream == Stream.ANCHOR:
             self.cache.put_anchor(layer, kind, start, to_split(tensors, cfg, kind, axis, shape, dtype))
-        elif f.stream == Stream.RESIDUAL:
+        elif stream == Stream.RESIDUAL:
             self.cache.put_residual(layer, kind, start, check_residual(tensors, cfg, kind, axis, shape, dtype))
         else:
             raise WireError("segment on the control stream")
@@ -122,19 +149,27 @@ class DecodeClient:
 
     def __init__(self, model, host: str | None = None, port: int | None = None, secret: str | None = None,
                  timeout_s: float = 30.0, insecure: bool = False, tls: bool = False, tls_ca: str | None = None,
-                 transport=None, model_fingerprint: str | None = None):
+                 transport=None, model_fingerprint: str | None = None, data_plane: str = "tcp"):
         """tls / tls_ca: speak TLS, trusting the system's CAs or the PEM file `tls_ca` (a private CA or a
         self-signed server certificate); the server's certificate must name `host`. transport: an open Transport
         instead of host/port (e.g. a DistTransport to the prefill rank, whose side runs `server_handshake` and
         `serve_channel`). model_fingerprint: `arch.fingerprint(model)` if the caller has it (a process that
-        reconnects computes it once). Everything this side must compute happens before it connects, so that the
-        server's handshake deadline measures the network and the peer only."""
+        reconnects computes it once). data_plane: "tcp" (the channel carries the segments) or "nixl" (NIXL writes
+        them into this process's memory: `pip install 'lynx-hf[nixl]'`, a server started with --data-plane nixl).
+        Everything this side must compute happens before it connects, so that the server's handshake deadline
+        measures the network and the peer only."""
         self.model, self.timeout = model, timeout_s
+        nixl.check_plane(data_plane)
+        self.data_plane = data_plane
+        if data_plane == "nixl":
+            nixl.agent("decode")  # UCX's set-up before the first request
         key = resolve_secret(secret, insecure, host if transport is None else None)
         self.fp = model_fingerprint or fingerprint(model)
         self.geometry = kv_geometry(model)  # a PROMPT frame must declare exactly this
         warm_up(model)  # the codec's kernels and every path of a request, before the first one (and the handshake)
         if transport is not None:
+            if data_plane == "nixl" and not isinstance(transport, TcpTransport):
+                raise ConfigError("the NIXL data plane needs a TCP or TLS control channel (host and port)")
             t = transport
         elif host is None or port is None:
             raise ValueError("DecodeClient needs host and port, or a transport")
@@ -189,6 +224,11 @@ class DecodeClient:
         req = {"input_ids": ids[0].tolist(), "quant_config": cfg.to_dict(), "held": held}
         if held:
             req["held_digest"] = token_digest(self.fp, cfg.to_dict(), req["input_ids"][:held])
+        arena = None
+        if self.data_plane == "nixl":  # receive memory for every segment the codec can send, named in the REQUEST
+            arena = nixl.Arena(stream_bound(cfg, self.geometry, len(input_ids), DTYPES[self.geometry["dtype"]], held),
+                               rid)
+            req["data_plane"] = arena.request()
         t0 = time.perf_counter()
         try:
             self.ch.send_json(FrameType.REQUEST, req, rid)
@@ -196,8 +236,10 @@ class DecodeClient:
             self._check_handshake(p, len(input_ids), cfg)
             if p.get("start") not in (held, 0) or (p.get("start") == 0 and held and not p.get("refused")):
                 raise WireError(f"the prefill side ships from position {p.get('start')!r}, this side holds {held}")
+            if arena is not None and p.get("data_plane") != "nixl":
+                raise WireError("the prefill server did not take the NIXL data plane")
         except BaseException as e:
-            self._broken = e
+            self._broken, self._arena = e, arena  # (a broken connection keeps its arena: nothing may write freed memory)
             raise
         spec = spec_config or SpecConfig(max_draft_steps=64 if speculative else 0)
         if p["start"] == held and cache is not None:  # the new range, behind what the cache holds
@@ -210,7 +252,7 @@ class DecodeClient:
                               timeout_s=self.timeout + 600, sliding_windows=p["windows"]).expect_prompt(ids)
             cache.trace.stats.held_refused = p.get("refused")
         cache.trace.t0 = t0  # one clock: every figure of this request counts from sending it
-        loader = NetworkLoader(self.ch, p, rid, self.timeout).attach(cache)
+        loader = NetworkLoader(self.ch, p, rid, self.timeout, arena).attach(cache)
         try:
             out = self.model.generate(ids, cache=cache, custom_generate=speculative_generate,
                                       max_new_tokens=max_new_tokens, **{"do_sample": False, **gen_kwargs})
@@ -233,7 +275,7 @@ class DecodeClient:
                 "prefill_s": loader.prefill_s, "stats": cache.stats.as_dict(), "events": list(cache.events),
                 "timeline": list(cache.timeline), "bytes": cache.nbytes(), "anchor_bytes": cache.nbytes("anchor"),
                 "h2d_bytes": cache.staged_bytes(),
-                "cancelled": loader.cancelled, "dropped_frames": loader.dropped,
+                "cancelled": loader.cancelled, "dropped_frames": loader.dropped, "placed_segments": loader.placed,
                 "loader_error": None if loader.error is None else str(loader.error)}
 
     def session(self, **defaults) -> "Session":

@@ -31,7 +31,7 @@ from ..config import LynxQuantConfig
 from ..local import PromptCapture
 from ..quant import encode
 from .prefix_cache import PrefixCache, token_digest
-from .serde import pack_segment, pack_logits
+from .serde import pack_logits, pack_segment, stream_bound
 from .session import Channel, quote_peer
 from .transport import PRIO_ANCHOR, PRIO_END, PRIO_RESIDUAL
 from .wire import MAX_JSON, SEGMENT_TOKENS, FrameType, PeerClosed, Stream, WireError
@@ -91,21 +91,32 @@ class ComputeQueue:
                 self._cv.notify_all()
 
 
+def send_segment(ch: Channel, stream: Stream, rid: int, payload: bytes, priority: int, plane=None):
+    """Queue one segment: a SEGMENT frame, or with a data plane (`nixl.PrefillPlane`) a PLACED frame whose bytes the
+    plane moves just before it (a segment that no longer fits in the peer's arena goes as a SEGMENT frame)."""
+    placed = plane.place(payload) if plane is not None else None
+    if placed is None:
+        return ch.send_binary(FrameType.SEGMENT, stream, rid, payload, priority, tag=rid)
+    desc, bulk = placed
+    return ch.send_binary(FrameType.PLACED, stream, rid, desc, priority, tag=rid, bulk=bulk)
+
+
 def send_layer(ch: Channel, rid: int, cfg: LynxQuantConfig, layer: int, k: torch.Tensor, v: torch.Tensor,
-               start: int, segment: int = SEGMENT_TOKENS, num_layers: int | None = None) -> list:
-    """Queue one layer's KV (k, v: [B, H_kv, S, D] for prompt positions [start, start + S)) as SEGMENT frames of
-    `segment` tokens (small frames keep strict priority responsive). num_layers: the model's depth (CacheGen)."""
+               start: int, segment: int = SEGMENT_TOKENS, num_layers: int | None = None, plane=None) -> list:
+    """Queue one layer's KV (k, v: [B, H_kv, S, D] for prompt positions [start, start + S)) as segments of
+    `segment` tokens (small frames keep strict priority responsive). num_layers: the model's depth (CacheGen);
+    plane: the request's data plane (None: the channel carries the bytes)."""
     futs = []
     S = k.shape[2]
     for kind, x in (("key", k), ("value", v)):
         for off in range(0, S, segment):
             s = encode(x[:, :, off:off + segment].contiguous(), cfg, kind,
                        layer=None if num_layers is None else (layer, num_layers))
-            futs.append(ch.send_binary(FrameType.SEGMENT, Stream.ANCHOR, rid,
-                                       pack_segment(layer, kind, start + off, s, False), PRIO_ANCHOR, tag=rid))
+            futs.append(send_segment(ch, Stream.ANCHOR, rid, pack_segment(layer, kind, start + off, s, False),
+                                     PRIO_ANCHOR, plane))
             if s.residual is not None:
-                futs.append(ch.send_binary(FrameType.SEGMENT, Stream.RESIDUAL, rid,
-                                           pack_segment(layer, kind, start + off, s, True), PRIO_RESIDUAL, tag=rid))
+                futs.append(send_segment(ch, Stream.RESIDUAL, rid, pack_segment(layer, kind, start + off, s, True),
+                                         PRIO_RESIDUAL, plane))
     return futs
 
 
@@ -123,8 +134,8 @@ class _Segmenter:
     tokens each), however the forward pass was chunked: the frames are those of an unchunked prefill."""
 
     def __init__(self, ch: Channel, rid: int, cfg: LynxQuantConfig, prompt_len: int, num_layers: int,
-                 segment: int = SEGMENT_TOKENS):
-        self.ch, self.rid, self.cfg, self.P, self.segment = ch, rid, cfg, prompt_len, segment
+                 segment: int = SEGMENT_TOKENS, plane=None):
+        self.ch, self.rid, self.cfg, self.P, self.segment, self.plane = ch, rid, cfg, prompt_len, segment, plane
         self.num_layers = num_layers
         self.pending: dict[int, tuple[int, list, list]] = {}  # layer -> (start, [k parts], [v parts])
         self.futs: list = []
@@ -138,7 +149,7 @@ class _Segmenter:
         if full:
             K, V = torch.cat(ks, 2), torch.cat(vs, 2)  # k, v: [B, H_kv, n, D]
             self.futs += send_layer(self.ch, self.rid, self.cfg, layer, K[:, :, :full], V[:, :, :full], s0,
-                                    self.segment, self.num_layers)
+                                    self.segment, self.num_layers, self.plane)
             ks, vs = ([K[:, :, full:]], [V[:, :, full:]]) if full < n else ([], [])
         self.pending[layer] = (s0 + full, ks, vs)
 
@@ -168,12 +179,14 @@ def held_claim(req: dict, ids: list[int], cfg: LynxQuantConfig, fp: str) -> tupl
 
 @torch.no_grad()
 def serve_request(model, ch: Channel, req: dict, rid: int, compute: ComputeQueue | None = None,
-                  chunk: int = PREFILL_CHUNK, prefix: PrefixCache | None = None, fp: str | None = None) -> dict:
+                  chunk: int = PREFILL_CHUNK, prefix: PrefixCache | None = None, fp: str | None = None,
+                  plane=None) -> dict:
     """Validate a REQUEST, announce the KV (PROMPT), prefill in chunks of `chunk` tokens while streaming, then
     FIRST (logits) and END. `compute` orders the forward passes of all connections (its turn is held for one chunk);
     the paced transfer runs on this connection's own sender. A continued turn (`held` > 0, its digest checked) ships
     only positions [held, P); `prefix` (shared by every connection) supplies the longest cached prefix's KV, so only
-    the tokens past it are computed, and keeps what was computed."""
+    the tokens past it are computed, and keeps what was computed. `plane`: the connection's NIXL plane (None: this
+    server has none), used when the REQUEST names an arena."""
     ids = req.get("input_ids")
     limit = max_prompt_tokens(model)
     if not (isinstance(ids, list) and len(ids) > 0 and all(type(i) is int for i in ids)):
@@ -195,8 +208,14 @@ def serve_request(model, ch: Channel, req: dict, rid: int, compute: ComputeQueue
     t0 = time.perf_counter()
     hit, past = prefix.lookup(ids, P - 1) if prefix is not None else (0, None)
     prompt = {**kv_handshake(model, rid, P, cfg), "start": held, "refused": refused, "prefix_hit": hit}
+    dp = req.get("data_plane")
+    if dp is not None:
+        if plane is None:
+            raise WireError("this prefill server has no NIXL data plane (start it with --data-plane nixl)")
+        plane.begin(dp, rid, stream_bound(cfg, prompt, P, getattr(torch, prompt["dtype"]), held))
+        prompt["data_plane"] = "nixl"
     ch.send_json(FrameType.PROMPT, prompt, rid)
-    seg = _Segmenter(ch, rid, cfg, P, len(prompt["windows"]))
+    seg = _Segmenter(ch, rid, cfg, P, len(prompt["windows"]), plane=plane if dp is not None else None)
     keep = prefix is not None and prefix.budget > 0
     cap = PromptCapture(model.config, seg, P, ship_from=held, keep=keep)
     device = next(model.parameters()).device
@@ -269,10 +288,10 @@ def _await_sent(ch: Channel, rid: int, futs: list, poll_s: float = 0.05) -> int 
 
 def serve_channel(model, ch: Channel, compute: ComputeQueue | None = None, peer: str = "peer",
                   idle_timeout_s: float = 300.0, chunk: int = PREFILL_CHUNK, prefix: PrefixCache | None = None,
-                  fp: str | None = None) -> None:
+                  fp: str | None = None, plane=None) -> None:
     """An authenticated connection's requests on the prefill side, over any transport, until the peer closes or
-    stays silent for `idle_timeout_s` (`peer`: how the log names it, already quoted). Wire and connection errors
-    propagate to the caller."""
+    stays silent for `idle_timeout_s` (`peer`: how the log names it, already quoted); `plane`: the connection's NIXL
+    plane, if the server has one. Wire and connection errors propagate to the caller."""
     last = 0
     compute = compute or ComputeQueue()
     fp = fp or fingerprint(model)  # a continued turn's digest names the model
@@ -286,6 +305,6 @@ def serve_channel(model, ch: Channel, compute: ComputeQueue | None = None, peer:
         if f.type != FrameType.REQUEST:
             raise WireError(f"expected REQUEST, got {f.type.name}")
         last = f.request_id
-        info = serve_request(model, ch, f.json(), f.request_id, compute, chunk, prefix, fp)
+        info = serve_request(model, ch, f.json(), f.request_id, compute, chunk, prefix, fp, plane)
         log.info("request %s from %s: %s%s", f.request_id, peer, info,
                  f"; prefix cache {prefix.stats()}" if prefix is not None and prefix.budget else "")

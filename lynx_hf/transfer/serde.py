@@ -4,6 +4,7 @@ the negotiated codec (or the KV handshake) declares, so a peer cannot make the d
 from __future__ import annotations
 
 import functools
+import math
 import struct
 
 import torch
@@ -114,14 +115,44 @@ def _expected(config: LynxQuantConfig, kind: str, axis: str, shape: tuple, dtype
     return anchor, None if s.residual is None else sig(s.residual), {k: sig(v) for k, v in s.meta.items()}, s.axis
 
 
+def layer_counts(geometry: dict, prompt_len: int, start: int = 0) -> list[list[int]]:
+    """Per layer, the token counts of the SEGMENT frames that carry its K (and as many its V): positions [start, P)
+    of what the layer holds (`kv_geometry`'s windows), cut as the prefill side cuts them."""
+    return [segment_counts(min(held_positions(prompt_len, w), prompt_len - start)) for w in geometry["windows"]]
+
+
+def segment_bound(config: LynxQuantConfig, kind: str, shape: tuple, dtype: torch.dtype) -> int:
+    """The most bytes an anchor and a residual SEGMENT payload of this shape take together, on any axis the codec
+    sends (a coded stream: the codec's `max_nbytes`)."""
+    table = lambda sigs: 1 + sum(2 + len(n) + TENS.size + 4 * len(shp) + math.prod(shp) * dt.itemsize
+                                 for n, (shp, dt) in sigs.items())
+    best = 0
+    for axis in AXES:
+        try:
+            anc, res, meta, _ = _expected(config, kind, axis, shape, dtype)
+        except (ValueError, RuntimeError):  # an axis this codec never sends
+            continue
+        if anc[0] is None:
+            anc = ((codec(config).max_nbytes(shape),), torch.uint8)
+        n = SUB.size + table({"codes": anc, **meta}) + (SUB.size + table({"codes": res}) if res else 0)
+        best = max(best, n)
+    return best
+
+
+def stream_bound(config: LynxQuantConfig, geometry: dict, prompt_len: int, dtype: torch.dtype, start: int = 0) -> int:
+    """The most bytes every SEGMENT payload of a request takes: what a data plane's receive memory must hold."""
+    B, H, D = geometry["batch"], geometry["kv_heads"], geometry["head_dim"]
+    return sum(segment_bound(config, kind, (B, H, c, D), dtype)
+               for counts in layer_counts(geometry, prompt_len, start) for c in counts for kind in KINDS)
+
+
 def warm(config: LynxQuantConfig, geometry: dict, prompt_len: int, dtype: torch.dtype, start: int = 0) -> None:
     """Work out, on the calling thread, the codec shapes every SEGMENT frame of a `prompt_len`-token prompt will be
     checked against (`kv_geometry`'s windows, kv heads, head dim), so that the receiving thread runs no torch op:
     a parallel op there would start a second OpenMP pool, which makes every parallel region of the decoding thread
     sleep and wake (measured: an 8-node draft step 136 → 108 ms). Unusual segment sizes still work, computed there."""
     B, H, D = geometry["batch"], geometry["kv_heads"], geometry["head_dim"]
-    counts = {c for w in geometry["windows"]  # positions [start, P) of what each layer holds are shipped
-              for c in segment_counts(min(held_positions(prompt_len, w), prompt_len - start))}
+    counts = {c for layer in layer_counts(geometry, prompt_len, start) for c in layer}
     for kind in KINDS:
         for c in sorted(counts):
             for axis in AXES:

@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 
 from ..arch import fingerprint
 from ..errors import ConfigError
-from ..link import LinkEmulator
+from ..link import Nic
 from ..engine.warm import warm_up
 from .prefill import PREFILL_CHUNK, ComputeQueue, serve_channel
+from . import nixl
 from .prefix_cache import PrefixCache
 from .session import Channel, HandshakeRefused, PeerError, quote_peer, resolve_secret, server_handshake
 from .transport import TcpTransport, TlsTcpTransport
@@ -79,15 +80,18 @@ def _positive(name: str, x, allow_none: bool = False, allow_zero: bool = False) 
 
 class PrefillServer:
     """Accepts decode peers; each connection gets its own thread, transport and sender (so a slow or stalled client
-    only ever delays itself). Forward passes go through one `ComputeQueue` (shortest remaining prompt first, in
-    chunks of `prefill_chunk` tokens)."""
+    only ever delays itself), and a port of the server's one emulated NIC (`bandwidth_bps`, `latency_s`: a link
+    shared fairly by the connections, lynx_hf.link). `data_plane="nixl"`: a client may have the segments' bytes
+    written into its memory by NIXL (lynx_hf.transfer.nixl); the control frames stay on the channel. Forward passes
+    go through one `ComputeQueue` (shortest remaining prompt first, in chunks of `prefill_chunk` tokens)."""
 
     def __init__(self, model, host: str = "127.0.0.1", port: int = 0, secret: str | None = None,
                  bandwidth_bps: float | None = None, latency_s: float = 0.0, handshake_timeout: float = 5.0,
                  max_connections: int = 32, insecure: bool = False, tls_cert: str | None = None,
                  tls_key: str | None = None, max_preauth: int = 128, max_preauth_per_host: int = 96,
                  idle_timeout_s: float = 300.0, send_timeout_s: float = 30.0, prefill_chunk: int = PREFILL_CHUNK,
-                 prefix_cache_mb: float = PREFIX_CACHE_MB, listen_socket: socket.socket | None = None):
+                 prefix_cache_mb: float = PREFIX_CACHE_MB, listen_socket: socket.socket | None = None,
+                 data_plane: str = "tcp"):
         _positive("bandwidth_bps", bandwidth_bps, allow_none=True)
         _positive("latency_s", latency_s, allow_zero=True)
         _positive("prefix_cache_mb", prefix_cache_mb, allow_zero=True)
@@ -98,6 +102,10 @@ class PrefillServer:
                         ("max_preauth_per_host", max_preauth_per_host), ("prefill_chunk", prefill_chunk)):
             if not (isinstance(x, int) and not isinstance(x, bool) and x >= 1):
                 raise ConfigError(f"{name} must be an int >= 1, got {x!r}")
+        nixl.check_plane(data_plane)
+        self.nixl = data_plane == "nixl"
+        if self.nixl:
+            nixl.agent("prefill")  # started now (UCX's set-up), not inside the first request
         if tls_key and not tls_cert:
             raise ConfigError("a TLS key without a certificate: pass --tls-cert too (or neither, for plain TCP)")
         self.tls = None
@@ -118,6 +126,7 @@ class PrefillServer:
         self.sock = listen_socket or socket.create_server((host, port), reuse_port=False)
         self.address = self.sock.getsockname()[:2]
         self.compute = ComputeQueue()
+        self.nic = Nic(bandwidth_bps, latency_s)  # one link for every connection, shared by deficit round-robin
         self.prefix = PrefixCache(int(prefix_cache_mb * (1 << 20)),
                                   f"{self.fp}|{next(model.parameters()).dtype}")  # shared by every connection
         self._stop = threading.Event()
@@ -188,9 +197,9 @@ class PrefillServer:
         threading.Thread(target=self._handle, args=(pend, addr), name="lynx-conn", daemon=True).start()
 
     def _handle(self, pend: _Pending, addr) -> None:
-        ch, authed, peer = None, False, quote_peer(f"{addr[0]}:{addr[1]}")
+        ch, link, authed, peer = None, None, False, quote_peer(f"{addr[0]}:{addr[1]}")
         try:
-            link = LinkEmulator(self.bw, self.latency)
+            link = self.nic.port()  # this connection's share of the server's one (emulated) NIC
             conn = pend.sock
             t = TcpTransport(conn, link, self.send_timeout_s) if self.tls is None else \
                 TlsTcpTransport(conn, self.tls, server_side=True, link=link, timeout=self.hs_timeout,
@@ -206,7 +215,13 @@ class PrefillServer:
                 log.warning("refusing %s: %d authenticated connections already", peer, self.max_conn)
                 ch.send_json(FrameType.ERROR, {"error": "server busy: too many connections"}, wait=False).result(1)
                 return
-            serve_channel(self.model, ch, self.compute, peer, self.idle_timeout_s, self.chunk, self.prefix, self.fp)
+            plane = nixl.PrefillPlane(self.send_timeout_s) if self.nixl else None
+            try:
+                serve_channel(self.model, ch, self.compute, peer, self.idle_timeout_s, self.chunk, self.prefix, self.fp,
+                              plane)
+            finally:
+                if plane is not None:
+                    plane.close()
         except HandshakeRefused as e:
             self._preauth_log.warning("refused %s%s: %s", peer, " (evicted)" if pend.evicted else "", e)
         except (WireError, ConnectionError, TimeoutError, OSError) as e:
@@ -230,6 +245,8 @@ class PrefillServer:
                 ch.close()
             else:
                 pend.sock.close()
+            if link is not None:
+                link.close()  # (a TLS handshake that failed left no sender to close it)
 
     def close(self) -> None:
         self._stop.set()

@@ -136,9 +136,10 @@ class Channel:
         return fut
 
     def send_binary(self, ftype: FrameType, stream: Stream, request_id: int, payload: bytes, priority: int,
-                    tag=None):
-        """Queue a frame; `tag` lets `Transport.drop` take it back while it is still queued."""
-        return self.t.start_send(self._frame(ftype, stream, request_id, payload), priority, tag)
+                    tag=None, bulk=None):
+        """Queue a frame; `tag` lets `Transport.drop` take it back while it is still queued; `bulk`: a data plane's
+        bytes the frame refers to (posted just before it)."""
+        return self.t.start_send(self._frame(ftype, stream, request_id, payload), priority, tag, bulk)
 
     def recv(self, timeout: float | None = 30.0, expect: FrameType | None = None, limit: int = MAX_PAYLOAD):
         f = self.t.recv(timeout, limit)

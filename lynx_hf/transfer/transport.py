@@ -1,7 +1,10 @@
 """A narrow transport interface with async start/wait pairs (like vLLM's KV connectors), and its backends.
 
-    start_send(frame, priority, tag) -> Future   enqueue; frames leave in priority order (0 first), FIFO within
-                                             one; after a failed send every queued and later frame fails too
+    start_send(frame, priority, tag, bulk) -> Future
+                                             enqueue; frames leave in priority order (0 first), FIFO within
+                                             one; after a failed send every queued and later frame fails too;
+                                             `bulk` (a data plane's bytes, e.g. NIXL's) is posted just before
+                                             its frame, paced with it
     drop(tag) -> int                         cancel the frames of `tag` still queued (not yet on the wire)
     readable(timeout) -> bool                a frame (or the end of the stream) is waiting to be received
     wait_send(future, timeout)               until that frame is on the wire
@@ -9,8 +12,10 @@
                                              bound `limit`, CRC); WireError / PeerClosed / TimeoutError
     close()
 
-Strict priority is applied at frame granularity by one sender thread per connection, which also paces the bytes
-through a `LinkEmulator` shared by every stream — so on loopback the anchor really gets the link first."""
+Strict priority is applied at frame granularity by a feeder thread per connection, which hands frames to the
+connection's port of an emulated NIC (lynx_hf.link: shared by every stream of the connection and, on a server, by
+every connection) as the NIC takes them; a sender thread writes each when the link delivers it — so on loopback the
+anchor really gets the link first."""
 from __future__ import annotations
 
 import heapq
@@ -25,7 +30,7 @@ from concurrent.futures import Future
 
 import torch
 
-from ..link import LinkEmulator
+from ..link import LinkEmulator, NicPort
 from .wire import HEADER, MAX_PAYLOAD, PeerClosed, WireError, parse_frame, read_frame
 
 PRIO_ANCHOR, PRIO_RESIDUAL, PRIO_END = 0, 1, 2
@@ -33,21 +38,27 @@ DSCP = {PRIO_ANCHOR: 46 << 2, PRIO_RESIDUAL: 10 << 2, PRIO_END: 10 << 2}  # EF f
 
 
 class Transport:
-    """Base: the priority sender thread; subclasses provide _write(bytes, priority) and recv."""
+    """Base: a feeder thread hands frames in priority order to the connection's port of the NIC, and a sender thread
+    writes each when the emulated link delivers it; subclasses provide _write(bytes, priority) and recv."""
 
     send_timeout_s = 60.0  # a frame that cannot be written within this fails the connection
 
-    def __init__(self, link: LinkEmulator | None = None):
+    def __init__(self, link: NicPort | None = None):
         self.link = link or LinkEmulator()
         self._q: queue.PriorityQueue = queue.PriorityQueue()
         self._n = itertools.count()
         self._lock = threading.Lock()  # orders start_send against the sender's failure
         self._error: BaseException | None = None
         self._closed = threading.Event()
+        self._wire: queue.Queue = queue.Queue()  # frames on the (emulated) wire, in order, with their delivery time
+        self._feeder = threading.Thread(target=self._feed_loop, name="lynx-feeder", daemon=True)
         self._sender = threading.Thread(target=self._send_loop, name="lynx-sender", daemon=True)
+        self._feeder.start()
         self._sender.start()
 
-    def start_send(self, frame: bytes, priority: int = PRIO_ANCHOR, tag=None) -> Future:
+    def start_send(self, frame: bytes, priority: int = PRIO_ANCHOR, tag=None, bulk=None) -> Future:
+        """bulk: None, or an object with `nbytes` and `post()` (blocking) that moves a data plane's bytes; the
+        sender posts it right before writing `frame` (which refers to those bytes), and the link paces both."""
         fut: Future = Future()
         with self._lock:
             if self._error is not None:
@@ -55,7 +66,7 @@ class Transport:
             elif self._closed.is_set():
                 fut.set_exception(ConnectionError("transport closed"))
             else:
-                self._q.put((priority, next(self._n), frame, fut, tag))
+                self._q.put((priority, next(self._n), frame, fut, tag, bulk, self.link.nic.clock()))
         return fut
 
     def drop(self, tag) -> int:
@@ -81,15 +92,43 @@ class Transport:
     def send(self, frame: bytes, priority: int = PRIO_ANCHOR, timeout: float | None = 60.0) -> None:
         self.wait_send(self.start_send(frame, priority), timeout)
 
-    def _send_loop(self) -> None:
+    def _feed_loop(self) -> None:
+        """Frames in priority order onto the connection's port of the NIC; each, once its last packet is on the
+        (emulated) wire, goes to the writer with its delivery time, and the next one is handed over at once."""
         while True:
-            prio, _, frame, fut, _ = self._q.get()
-            if frame is None:
-                return
+            item = self._q.get()
+            prio, _, frame, fut, _, bulk, ready = item
+            if frame is None or self._error is not None:
+                self._wire.put(item)  # the writer ends there (or fails the frame)
+                if frame is None:
+                    return
+                continue
             if not fut.set_running_or_notify_cancel():  # dropped while queued
                 continue
+            deliver = self.link.schedule(len(frame) + (bulk.nbytes if bulk is not None else 0), ready_at=ready)
+            self._wire.put((prio, deliver or 0.0, frame, fut, None, bulk, ready))  # None: the port closed
+
+    def _send_loop(self) -> None:
+        try:
+            self._write_frames()
+        finally:
+            self.link.close()  # the connection's share of the NIC goes with it
+
+    def _write_frames(self) -> None:
+        nic = self.link.nic
+        while True:
+            prio, deliver, frame, fut, _, bulk, _ = self._wire.get()
+            if frame is None:
+                return
+            if self._error is not None:
+                fut.set_exception(ConnectionError(f"an earlier send failed: {self._error}"))
+                continue
             try:
-                self.link.pace(len(frame))
+                wait = deliver - nic.clock()
+                if wait > 1e-6:
+                    nic.sleep(wait)
+                if bulk is not None:
+                    bulk.post()
                 self._write(frame, prio)
                 fut.set_result(None)
             except BaseException as e:  # noqa: BLE001 — handed to whoever waits on the frame
@@ -97,21 +136,23 @@ class Transport:
                 with self._lock:
                     self._error = e
                 self._fail_pending(e)
+                self._q.put((99, next(self._n), None, None, None, None, 0.0))  # the feeder ends too
                 return
 
     def _fail_pending(self, e: BaseException) -> None:
-        while True:
-            try:
-                _, _, frame, fut, _ = self._q.get_nowait()
-            except queue.Empty:
-                return
-            if fut is not None and not fut.done():
-                fut.set_exception(e)
+        for q in (self._q, self._wire):
+            while True:
+                try:
+                    _, _, frame, fut, *_ = q.get_nowait()
+                except queue.Empty:
+                    break
+                if fut is not None and not fut.done():
+                    fut.set_exception(e)
 
     def close(self) -> None:
         if not self._closed.is_set():
             self._closed.set()
-            self._q.put((99, next(self._n), None, None, None))
+            self._q.put((99, next(self._n), None, None, None, None, 0.0))
 
     def _write(self, frame: bytes, priority: int) -> None:
         raise NotImplementedError
@@ -125,7 +166,7 @@ class TcpTransport(Transport):
     bounds each send (`send_timeout_s`, set once); a receive's deadline is enforced by polling for readability, so
     the receiving thread never changes what the sending thread runs under."""
 
-    def __init__(self, sock: socket.socket, link: LinkEmulator | None = None, send_timeout_s: float = 60.0):
+    def __init__(self, sock: socket.socket, link: NicPort | None = None, send_timeout_s: float = 60.0):
         self.sock = sock
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(send_timeout_s)
@@ -215,7 +256,7 @@ class TlsTcpTransport(TcpTransport):
     each other. The TLS handshake runs in the constructor, within `timeout`."""
 
     def __init__(self, sock: socket.socket, context: ssl.SSLContext, server_side: bool,
-                 server_hostname: str | None = None, link: LinkEmulator | None = None, timeout: float = 10.0,
+                 server_hostname: str | None = None, link: NicPort | None = None, timeout: float = 10.0,
                  send_timeout_s: float = 60.0):
         self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
         self._tls = context.wrap_bio(self._in, self._out, server_side=server_side, server_hostname=server_hostname)

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from ..errors import LynxError
 
 MAGIC = b"LYNX"
-VERSION = 6  # 2: FIRST carries the prefill's logits, PROMPT declares vocab and windows; 3: frame MACs; 4: CANCEL;
-#              5: PROGRESS; 6: REQUEST says what the decode side holds (held, held_digest), PROMPT where shipping starts
+VERSION = 7  # 2: FIRST carries the prefill's logits, PROMPT declares vocab and windows; 3: frame MACs; 4: CANCEL;
+#              5: PROGRESS; 6: REQUEST says what the decode side holds (held, held_digest), PROMPT where shipping starts;
+#              7: data planes (REQUEST data_plane, PROMPT data_plane, PLACED)
 HEADER = struct.Struct("<4sBBBBIII I")  # magic, version, type, stream, flags, request_id, seq, length, crc32
 MAX_PAYLOAD = 64 << 20   # one frame's payload
 MAX_JSON = 4 << 20       # a control payload (prompt ids included)
@@ -39,7 +40,8 @@ class PeerClosed(WireError):
 class FrameType(enum.IntEnum):
     HELLO = 1     # JSON: protocol version, model fingerprint, nonce, HMAC (handshake)
     OK = 2        # JSON: handshake accepted (+ server's HMAC)
-    REQUEST = 3   # JSON: request_id, input_ids, quant config, held (tokens the decode side holds) and their digest
+    REQUEST = 3   # JSON: request_id, input_ids, quant config, held (tokens the decode side holds) and their digest,
+    #               data_plane (optional: a NIXL arena)
     PROMPT = 4    # JSON: KV handshake — layers, windows, batch, kv heads, head dim, dtype, vocab, prompt length, codec,
     #               start (first position shipped), refused (why a held claim was not taken), prefix_hit
     SEGMENT = 5   # binary: one segment of one layer's K or V, anchor or residual stream
@@ -49,6 +51,8 @@ class FrameType(enum.IntEnum):
     ERROR = 8     # JSON: {"error": message}
     CANCEL = 9    # JSON {}: the decode side stopped early; drop this request's frames still queued
     PROGRESS = 10  # JSON {prefilled, of, queued}: the request waits for the prefill's compute (keeps its client's clock)
+    PLACED = 11   # binary (offset u64, length u64, SHA-256): a segment's bytes, placed in the decode side's arena by a
+    #               data plane (NIXL); counted on its stream like the SEGMENT frame it stands for
 
 
 class Stream(enum.IntEnum):
