@@ -155,11 +155,8 @@ class Agent:
                 if tag in self._seen:
                     self._seen.discard(tag)
                     return
-            with self.lock:
-                new = self.agent.get_new_notifs()
+            self.progress()
             with self._cv:
-                for msgs in new.values():
-                    self._seen.update(msgs)
                 if tag in self._seen:
                     self._seen.discard(tag)
                     return
