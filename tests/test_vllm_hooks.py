@@ -189,17 +189,19 @@ def test_scheduler_side_asks_for_the_prompt_and_saves_when_its_last_chunk_runs()
 class _Worker(WorkerSide):
     """WorkerSide over hand-made paged caches."""
 
-    def __init__(self, publisher=None, blocks=16):
-        super().__init__({}, SECRET, FP, publisher, timeout_s=10)
+    def __init__(self, publisher=None, blocks=16, upgrade=True):
+        super().__init__({}, SECRET, FP, publisher, timeout_s=10, upgrade_shadows=upgrade)
         self.register({f"model.layers.{i}.attn": torch.zeros(blocks, H, BS, 2 * D) for i in range(L)})
 
 
-def test_worker_side_prefill_to_decode_fills_shadow_and_real_blocks_with_their_tiers():
+@pytest.mark.parametrize("upgrade", [False, True])
+def test_worker_side_prefill_to_decode_fills_shadow_and_real_blocks_with_their_tiers(upgrade):
+    """S gets the anchor tier (upgraded to the full tier as the residual lands, when asked), R the full tier."""
     P = 100
     kv = _kv(P)
     pub = KVPublisher("127.0.0.1", 0, SECRET, FP)
     try:
-        pw, dw = _Worker(pub), _Worker()
+        pw, dw = _Worker(pub), _Worker(upgrade=upgrade)
         src_blocks = [0, 1, 2, 3]
         for i, (k, v) in enumerate(kv):  # the prefill's own forward wrote its KV
             paged.scatter(pw.layers[i], src_blocks, 0, "key", k)
@@ -228,7 +230,8 @@ def test_worker_side_prefill_to_decode_fills_shadow_and_real_blocks_with_their_t
             kr, vr = paged.gather(dw.layers[i], r_blocks, P)
             for x, got_a, got_f, kind in ((k, ks, kr, "key"), (v, vs, vr, "value")):
                 s = encode(x, cfg, kind, layer=(i, L))  # one segment: P < SEGMENT_TOKENS
-                assert torch.equal(got_a, dequantize(s, "anchor")) and torch.equal(got_f, dequantize(s, "full"))
+                assert torch.equal(got_a, dequantize(s, "full" if upgrade else "anchor"))
+                assert torch.equal(got_f, dequantize(s, "full"))
         assert {"bytes", "anchor_bytes", "anchor_at", "full_at"} <= set(dw.stats()["r"])
         dw.results({"s", "r"})
         assert dw.drafting == {}  # both finished: the proposer stops drafting for this transfer
@@ -292,3 +295,21 @@ def test_proposer_drafts_only_for_rows_of_a_live_transfer():
     assert prop.propose([[6], [1], [7]], n, tok) == [[], [], []] and len(prop.book) == 0
     assert belongs({"x": (P, token_digest(prompt[:P]))}, np.array(prompt)) == "x"
     assert belongs({"x": (P, token_digest(prompt[:P]))}, np.array(prompt[:P])) is None  # no first token yet
+
+
+def test_a_transfer_that_never_completes_fails_within_the_timeouts():
+    P = 40
+    cfg, spec = LynxQuantConfig(), KVSpec(L, H, D, "float32", P)
+    pub = KVPublisher("127.0.0.1", 0, SECRET, FP, timeout_s=1.0)
+    try:
+        pub.begin("x", cfg, spec, "d")  # begun, never produced (a prefill that stalled)
+        sub = Subscription("127.0.0.1", pub.port, SECRET, FP, "x", cfg, spec, "d", timeout_s=30)
+        _wait(lambda: sub.error is not None, timeout=15)
+        assert "stopped producing" in sub.error
+        pub.begin("y", cfg, spec, "d")
+        pub.add("y", [])
+        silent = Subscription("127.0.0.1", pub.port, SECRET, FP, "y", cfg, spec, "d", timeout_s=0.5)
+        _wait(lambda: silent.error is not None, timeout=15)  # whichever side's clock runs out first, one line
+        assert "\n" not in silent.error
+    finally:
+        pub.close()

@@ -79,7 +79,7 @@ class LynxConnector(KVConnectorBase_V1):
                                     max_bytes=int(float(extra.get("max_held_mb", 1024)) * (1 << 20)))
             log.info("Lynx KV stream on %s:%d (link %s Mbit/s)", host, publisher.port, bw or "unpaced")
         self._worker = WorkerSide(dict(extra.get("quant", {})), secret, model_fingerprint(vllm_config), publisher,
-                                  float(extra.get("timeout_s", 60)))
+                                  float(extra.get("timeout_s", 60)), bool(extra.get("upgrade_shadows", True)))
 
     # ---- worker side ----------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:

@@ -30,7 +30,7 @@ def _row(r, new_tokens: int) -> dict:
     return {"ttft_s": round(r.ttft_s, 4), "ttft_verified_s": round(r.ttft_verified_s, 4),
             "tt32t_s": None if r.tt(new_tokens) is None else round(r.tt(new_tokens), 4), "bytes": r.bytes,
             "anchor_at_s": r.anchor_at_s, "full_at_s": r.full_at_s, "drafted": r.drafted,
-            "proposed": r.proposed, "accepted": r.accepted}
+            "accepted": r.accepted, **r.extra}
 
 
 def plot(runs: dict, path: Path, title: str) -> bool:

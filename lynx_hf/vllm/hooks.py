@@ -33,7 +33,8 @@ class ParamsError(ValueError):
 def parse_params(params) -> dict | None:
     """kv_transfer_params → the validated "lynx" part, or None when the request is not Lynx's.
     produce: {"role": "produce", "xfer", "method"}; consume: {"role": "consume", "xfer", "method", "tier",
-    "shadow" (R: whether an S shares the transfer), "host", "port", "prompt_len"}."""
+    "shadow" (R: whether an S shares the transfer), "host", "port", "prompt_len", optionally "release" (a shadow:
+    the fraction of the full tier placed before it starts decoding; default 0, at the last anchor)}."""
     if not isinstance(params, dict) or "lynx" not in params:
         return None
     p = params["lynx"]
@@ -44,7 +45,7 @@ def parse_params(params) -> dict | None:
             "consume": {"role", "xfer", "method", "tier", "shadow", "host", "port", "prompt_len"}}.get(role)
     if want is None:
         raise ParamsError(f"kv_transfer_params['lynx']['role'] must be 'produce' or 'consume', got {role!r}")
-    if set(p) != want:
+    if set(p) != want and not (role == "consume" and set(p) == want | {"release"}):
         raise ParamsError(f"kv_transfer_params['lynx'] for {role!r} takes exactly {sorted(want)}, got {sorted(p)}")
     check_xfer_id(p["xfer"])
     if not isinstance(p["method"], str):
@@ -54,6 +55,9 @@ def parse_params(params) -> dict | None:
             raise ParamsError(f"tier must be one of {TIERS} and shadow a bool, got {p['tier']!r}, {p['shadow']!r}")
         if not isinstance(p["host"], str) or not isinstance(p["port"], int) or not 0 < p["port"] < 65536:
             raise ParamsError(f"host must be a string and port in [1, 65535], got {p['host']!r}, {p['port']!r}")
+        r = p.get("release", 0.0)
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0:
+            raise ParamsError(f"release must be a number in [0, 1], got {r!r}")
         n = p["prompt_len"]
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ParamsError(f"prompt_len must be a positive int, got {n!r}")
@@ -93,6 +97,7 @@ class LoadMeta:
     block_ids: list
     digest: str
     error: str | None = None  # the request's params were refused: fail it at once
+    release: float = 0.0      # a shadow starts once this fraction of the full tier is placed too
 
 
 @dataclass
@@ -140,7 +145,8 @@ class SchedulerSide:
         elif p["role"] == "consume" and num_external > 0:
             P = p["prompt_len"]
             load = LoadMeta(req_id, p["xfer"], p["method"], p["tier"], p["shadow"], p["host"], p["port"], P,
-                            P - num_external, list(block_ids), token_digest(prompt_ids[:P]))
+                            P - num_external, list(block_ids), token_digest(prompt_ids[:P]),
+                            release=float(p.get("release", 0.0)))
             self._new_loads.append(load)
             self._loading[req_id] = load
 
@@ -193,7 +199,7 @@ class WorkerSide:
     """Holds the paged KV (`register`), the publisher (prefill) and the subscriptions (decode)."""
 
     def __init__(self, base_config: dict, secret: bytes, fingerprint: str, publisher: KVPublisher | None = None,
-                 timeout_s: float = 60.0):
+                 timeout_s: float = 60.0, upgrade_shadows: bool = True):
         self.base, self.secret, self.fp, self.publisher, self.timeout_s = base_config, secret, fingerprint, \
             publisher, timeout_s
         self.layers: list = []  # per layer, its paged KV tensor [NB, H, bs, 2D]
@@ -206,6 +212,8 @@ class WorkerSide:
         self._idle: dict[str, float] = {}  # xfer -> since when no request reads it
         self.drafting: dict[str, tuple[int, str]] = {}  # live transfers with a shadow: xfer -> (P, prompt digest)
         self._members: dict[str, set] = {}  # xfer -> ids of its S and R not finished yet
+        self._upgrade: dict[str, tuple[str, list]] = {}  # decoding shadows: req_id -> (xfer, block ids)
+        self.upgrade_shadows = upgrade_shadows
         self._stats: dict[str, dict] = {}
 
     def register(self, kv_caches: dict) -> None:
@@ -270,10 +278,16 @@ class WorkerSide:
                     return True
                 return tier == "anchor" and not any(ld.meta.xfer == xfer and ld.meta.shadow
                                                     for ld in self._loads.values())
-            for ld in targets:  # every shadow of a transfer gets the anchor tier
-                lo = max(start, ld.meta.start)
-                if not ld.aborted and lo < start + x.shape[2]:  # below `start`: the local prefix hit, kept
-                    paged.scatter(self.layers[layer], ld.meta.block_ids, lo, kind, x[:, :, lo - start:])
+            blocks = [(ld.meta.block_ids, ld.meta.start) for ld in targets if not ld.aborted]
+            if tier == "full" and self.upgrade_shadows:  # shadows (waiting or decoding) draft on their prompt KV,
+                # upgraded as the residual lands
+                blocks += [(ld.meta.block_ids, ld.meta.start) for ld in self._loads.values()
+                           if ld.meta.xfer == xfer and ld.meta.tier == "anchor" and not ld.aborted]
+                blocks += [(b, 0) for x_, b in self._upgrade.values() if x_ == xfer]
+            for block_ids, first in blocks:
+                lo = max(start, first)
+                if lo < start + x.shape[2]:  # below `first`: the local prefix hit, kept
+                    paged.scatter(self.layers[layer], block_ids, lo, kind, x[:, :, lo - start:])
             return True
         return sink
 
@@ -281,6 +295,7 @@ class WorkerSide:
         """Drain every subscription; → (finished_recving, failed_recving) request ids for this step."""
         done, failed = set(), set()
         for rid in finished_req_ids:  # aborted while loading: stop writing into its blocks, let vLLM free them
+            self._upgrade.pop(rid, None)
             if rid in self._loads:
                 self._loads[rid].aborted = True
         for xfer, members in list(self._members.items()):
@@ -292,7 +307,8 @@ class WorkerSide:
         for rid, ld in list(self._loads.items()):
             m, sub = ld.meta, self._subs.get(ld.meta.xfer)
             error = m.error or (sub.error if sub is not None else f"transfer {m.xfer!r} has no stream")
-            ready = sub is not None and (sub.anchor_done if m.tier == "anchor" else sub.full_done)
+            ready = sub is not None and (sub.full_done if m.tier == "full" else sub.anchor_done and (
+                sub.placed("full") >= m.release * sub.expected[1]))
             if ld.aborted or ready or error:
                 done.add(rid)
                 if error and not ready and not ld.aborted:
@@ -302,6 +318,8 @@ class WorkerSide:
                     self._stats[rid] = {"bytes": sum(sub.bytes_in.values()), "anchor_bytes": sub.bytes_in[Stream.ANCHOR],
                                         **{f"{t}_at": v for t, v in sub.arrived_at.items()}}
                 self._dropped.add((m.xfer, m.tier))  # whatever of its tier still arrives has no reader
+                if m.tier == "anchor" and ready and not ld.aborted and self.upgrade_shadows:
+                    self._upgrade[rid] = (m.xfer, m.block_ids)  # until it finishes (finished_req_ids)
                 del self._loads[rid]
         now = time.monotonic()
         for xfer, sub in list(self._subs.items()):

@@ -39,8 +39,7 @@ class PDResult:
     token_s: list                     # per token of `tokens`, when it was known verified
     finish_reason: str | None
     drafted: int = 0                  # tokens S decoded on the anchor tier
-    proposed: int = 0                 # draft tokens vLLM verified (its spec-decode counter)
-    accepted: int = 0                 # ... and accepted
+    accepted: int = 0                 # R's drafts vLLM accepted (a verification step gives them + one token)
     bytes: int = 0                    # bytes the decode engine received for this prompt's KV
     anchor_bytes: int = 0
     anchor_at_s: float | None = None  # every anchor segment in
@@ -57,14 +56,17 @@ class LynxPD:
     def __init__(self, model: str, *, bandwidth_mbps: float | None = None, port: int = DEFAULT_PORT,
                  quant: LynxQuantConfig | None = None, num_speculative_tokens: int = 8, draft_budget: int = 31,
                  secret: str | None = None, dtype: str = "float32", max_model_len: int = 4096,
-                 block_size: int = 128, timeout_s: float = 60.0, shadows: int = 1, shadow_temperature: float = 1.0,
-                 engine_kwargs: dict | None = None):
+                 block_size: int = 128, timeout_s: float = 60.0, shadow_release: tuple = (0.0, 0.5),
+                 upgrade_shadows: bool = True, engine_kwargs: dict | None = None):
         base = (quant or LynxQuantConfig()).to_dict()
         base.pop("method")
         self.port, self.draft_budget, self.timeout_s = port, draft_budget, timeout_s
-        self.shadows, self.shadow_temperature = shadows, shadow_temperature
+        self.release = tuple(float(r) for r in shadow_release)
+        if not self.release or not all(0.0 <= r <= 1.0 for r in self.release):
+            raise ValueError(f"shadow_release must be fractions in [0, 1], one per shadow, got {shadow_release!r}")
         self.secret = secret or _secrets.token_hex(16)  # loopback demo: a fresh shared secret per pair
-        extra = {"host": "127.0.0.1", "port": port, "quant": base, "secret": self.secret, "timeout_s": timeout_s}
+        extra = {"host": "127.0.0.1", "port": port, "quant": base, "secret": self.secret, "timeout_s": timeout_s,
+                 "upgrade_shadows": upgrade_shadows}
         common = dict(model=model, dtype=dtype, max_model_len=max_model_len, block_size=block_size,
                       enforce_eager=True, max_num_seqs=16, **(engine_kwargs or {}))
         conn = {"kv_connector": "LynxConnector", "kv_connector_module_path": "lynx_hf.vllm.connector",
@@ -136,10 +138,6 @@ class LynxPD:
     def _generate(self, ids, max_tokens, method, drafts, temperature, seed, top_p, top_k, xfer) -> PDResult:
         sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
         LynxQuantConfig(method=method)  # an unknown method is refused here, before anything is sent
-        if drafts and self.shadows > 1 and not temperature:
-            raise ValueError("several (sampled) shadows for a greedy request: on vLLM 0.32's CPU backend a greedy "
-                             "row verified in a batch with sampled rows was seen to keep non-argmax drafts "
-                             "(docs/vllm.md); use shadows=1 for greedy requests")
         t0 = time.time()
         q = self.prefill.add(f"p-{xfer}", ids, {**sampling, "max_tokens": 1, "extra_args": {
             "kv_transfer_params": {"lynx": {"role": "produce", "xfer": xfer, "method": method}}}})
@@ -161,13 +159,13 @@ class LynxPD:
         kv = {"role": "consume", "xfer": xfer, "method": method, "shadow": shadow, "host": "127.0.0.1",
               "port": self.port, "prompt_len": len(ids)}
         before = self.decode.counters()
-        s_ids = [f"s{i}-{xfer}" for i in range(self.shadows if shadow else 0)]
+        s_ids = [f"s{i}-{xfer}" for i in range(len(self.release) if shadow else 0)]
         sqs = []
-        for i, sid in enumerate(s_ids):  # one shadow decodes as R does; several sample a forest of branches
-            sp = sampling if len(s_ids) == 1 else {**sampling, "temperature": self.shadow_temperature,
-                                                   "seed": (seed or 0) * 1000 + i}
+        for i, sid in enumerate(s_ids):  # each shadow decodes as R does, starting when its share of the residual is in
+            sp = sampling if seed is None else {**sampling, "seed": seed + i}
             sqs.append(self.decode.add(sid, ids1, {**sp, "max_tokens": self.draft_budget, "extra_args": {
-                "kv_transfer_params": {"lynx": {**kv, "tier": "anchor"}}}}, cache_salt=f"lynx-anchor-{xfer}"))
+                "kv_transfer_params": {"lynx": {**kv, "tier": "anchor", "release": self.release[i]}}}},
+                cache_salt=f"lynx-anchor-{xfer}"))
         rq = self.decode.add(f"r-{xfer}", ids1, {**sampling, "max_tokens": max_tokens - 1, "extra_args": {
             "kv_transfer_params": {"lynx": {**kv, "tier": "full"}}}}, cache_salt=f"lynx-full-{method}")
         try:
@@ -176,8 +174,9 @@ class LynxPD:
             if s_ids:
                 self.decode.abort(s_ids)
             self.decode.forget(f"r-{xfer}")
-        after = self.decode.counters()
-        res.proposed, res.accepted = after["draft"] - before["draft"], after["accepted"] - before["accepted"]
+        after = self.decode.counters()  # every row of the transfer: a later shadow verifies an earlier one's chain too
+        res.extra["engine_draft_tokens"] = after["draft"] - before["draft"]
+        res.extra["engine_accepted_tokens"] = after["accepted"] - before["accepted"]
         return res
 
     def _collect(self, res: PDResult, t0: float, rq, sqs: list, s_ids: list) -> None:
@@ -209,6 +208,7 @@ class LynxPD:
                 raise RequestFailed("the decode engine process died")
             deadline = time.time() + self.timeout_s
             if ev.tokens:
+                res.accepted += len(ev.tokens) - 1  # a step gives the drafts it accepted and one token of its own
                 if len(res.tokens) == 1:
                     res.ttft_verified_s = ev.t - t0
                     first_decode = ev.t if first_decode is None else min(first_decode, ev.t)

@@ -122,7 +122,8 @@ class KVPublisher:
     instance that asks for it, then drops it. Every byte it holds is under `max_bytes`."""
 
     def __init__(self, host: str, port: int, secret: bytes, fingerprint: str, bandwidth_bps: float | None = None,
-                 latency_s: float = 0.0, max_bytes: int = 1 << 30, ttl_s: float = 120.0, timeout_s: float = 30.0):
+                 latency_s: float = 0.0, max_bytes: int = 1 << 30, ttl_s: float = 120.0, timeout_s: float = 30.0,
+                 max_connections: int = 64):
         self.secret, self.fp, self.max_bytes, self.ttl_s, self.timeout_s = secret, fingerprint, max_bytes, ttl_s, \
             timeout_s
         self.nic = Nic(bandwidth_bps, latency_s)
@@ -133,6 +134,7 @@ class KVPublisher:
         self.port = self.sock.getsockname()[1]
         self._stop = threading.Event()
         self._conns: set[Channel] = set()
+        self._slots = threading.BoundedSemaphore(max_connections)  # one thread per connection, at most this many
         threading.Thread(target=self._accept_loop, name="lynx-kv-publisher", daemon=True).start()
 
     # -- the store ------------------------------------------------------------------------------------------------
@@ -201,6 +203,11 @@ class KVPublisher:
                 conn, addr = self.sock.accept()
             except OSError:
                 return
+            if not self._slots.acquire(blocking=False):
+                log.warning("kv stream: refusing %s: %d connections already", quote_peer(addr[0]),
+                            len(self._conns))
+                conn.close()
+                continue
             threading.Thread(target=self._serve, args=(conn, addr), name="lynx-kv-send", daemon=True).start()
 
     def _serve(self, conn: socket.socket, addr) -> None:
@@ -227,6 +234,7 @@ class KVPublisher:
                 self._conns.discard(ch)
             ch.close()
             link.close()
+            self._slots.release()
 
     def _claim(self, req: dict) -> tuple[str, _Entry]:
         xfer = check_xfer_id(req.get("xfer"))
