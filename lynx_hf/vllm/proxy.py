@@ -5,7 +5,7 @@
 Per request (`/v1/completions`, `/v1/chat/completions`, streaming or not): the prompt is tokenized by the prefill
 instance (`/tokenize`, chat template included); the prefill instance runs it with max_tokens=1 and publishes its KV
 (its first token goes to the client at once); the decode instance gets the shadow (anchor tier, its own cache
-salt, output discarded, closed when the real request ends) and the real request (full tier), whose tokens are
+salt, output discarded, closed when the real request ends; two, as LynxPD sends them) and the real request (full tier), whose tokens are
 streamed back. Concurrent requests are batched by vLLM. A failed upstream request ends the client's request with
 an error naming it; the proxy serves on."""
 from __future__ import annotations
@@ -28,8 +28,8 @@ class Upstream(Exception):
 
 class Proxy:
     def __init__(self, prefill: str, decode: str, kv_host: str, kv_port: int, method: str = "lynx",
-                 draft_budget: int = 31, timeout_s: float = 600.0):
-        self.prefill, self.decode = prefill.rstrip("/"), decode.rstrip("/")
+                 draft_budget: int = 31, timeout_s: float = 600.0, release: tuple = (0.0, 0.5)):
+        self.prefill, self.decode, self.release = prefill.rstrip("/"), decode.rstrip("/"), release
         self.kv_host, self.kv_port, self.method, self.budget = kv_host, kv_port, method, draft_budget
         self.timeout = ClientTimeout(total=timeout_s)
         self.http: ClientSession | None = None
@@ -80,11 +80,12 @@ class Proxy:
         first_id, first_text = c0["token_ids"][0], c0["text"]
         kv = {"role": "consume", "xfer": xfer, "method": self.method, "host": self.kv_host, "port": self.kv_port,
               "prompt_len": len(ids), "shadow": self.method in ("lynx", "paper")}
-        ids1, shadow = ids + [first_id], None
-        if kv["shadow"] and max_tokens > 1:
-            shadow = asyncio.create_task(self._shadow({
+        ids1, shadows = ids + [first_id], []
+        for release in (self.release if kv["shadow"] and max_tokens > 1 else ()):  # as LynxPD sends them
+            shadows.append(asyncio.create_task(self._shadow({
                 "model": model, "prompt": ids1, "max_tokens": self.budget, **sampling,
-                "cache_salt": f"lynx-anchor-{xfer}", "kv_transfer_params": {"lynx": {**kv, "tier": "anchor"}}}))
+                "cache_salt": f"lynx-anchor-{xfer}",
+                "kv_transfer_params": {"lynx": {**kv, "tier": "anchor", "release": release}}})))
         real = {"model": model, "prompt": ids1, "max_tokens": max_tokens - 1, "stream": stream, **sampling,
                 "cache_salt": f"lynx-full-{self.method}", "kv_transfer_params": {"lynx": {**kv, "tier": "full"}}}
         try:
@@ -97,8 +98,8 @@ class Proxy:
                                                 1 + r.get("usage", {}).get("completion_tokens", 0)))
             return await self._stream(request, chat, model, first_text, real)
         finally:
-            if shadow is not None:
-                shadow.cancel()
+            for t in shadows:
+                t.cancel()
 
     async def _stream(self, request, chat: bool, model, first_text: str, real: dict) -> web.StreamResponse:
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
