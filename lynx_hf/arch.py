@@ -7,14 +7,13 @@ import hashlib
 import json
 
 import torch
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 
 def layer_windows(config) -> list[int | None]:
     """Per decoder layer: None (full attention) or its sliding window W, as Transformers' own caches read the config.
     Raises ValueError at once for layers a transferred prompt cannot serve (linear-attention / SSM state, chunked
     attention, KV shared between layers)."""
-    from transformers.cache_utils import get_layer_types_and_kwargs  # here: the codec and wire need no Transformers
-
     types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
     out = []
     for i, (t, kw) in enumerate(zip(types, kwargs)):
