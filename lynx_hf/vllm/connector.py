@@ -110,10 +110,6 @@ class LynxConnector(KVConnectorBase_V1):
         done, failed = self._worker.results(finished_req_ids)
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
-    def get_finished(self, finished_req_ids: set[str]):
-        done, _ = self._worker.results(finished_req_ids)
-        return None, done
-
     def build_connector_worker_meta(self):
         stats = self._worker.stats()
         return LynxWorkerMetadata(stats) if stats else None
