@@ -34,6 +34,11 @@ def _bench(a):
 
         data.require("bench transfer --prompts shakespeare", needs_text=True,
                      text_flag="--prompts code (or a text file's path)")
+    if a.what == "server-memory":
+        from lynx_hf.eval import bench_server_memory
+
+        bench_server_memory.run(model_name=a.model, as_json=a.json)
+        return None
     if a.what == "startup":
         from lynx_hf.eval import bench_startup
 
@@ -149,7 +154,9 @@ def _sub(sub, name: str, text: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Every subcommand, its options and their help."""
+    """Every subcommand, its options and their help (every numeric option through lynx_hf.flags.number)."""
+    from lynx_hf.flags import count, mbps, megabytes, number, tokens
+
     p = argparse.ArgumentParser(prog="lynx-hf", description=DESCRIPTION, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--debug", action="store_true", help="on an error, show its traceback (also: LYNX_DEBUG=1)")
@@ -160,8 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = _sub(sub, "codec-quality", "KV codec quality on real KV of the default model")
     q.add_argument("--text", help="text file for the contexts (default: shared tinyshakespeare)")
-    q.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096], help="context lengths in tokens")
-    q.add_argument("--gen", type=int, default=32, help="teacher-forced tokens")
+    q.add_argument("--contexts", type=tokens(), nargs="+", default=[512, 1024, 2048, 4096], help="context lengths in tokens")
+    q.add_argument("--gen", type=tokens(hi=4096), default=32, help="teacher-forced tokens")
     q.add_argument("--model", help="Hub id or local path (default: embedded SmolLM2-135M-Instruct)")
     q.add_argument("--no-ablation", action="store_true", help="skip the codec ablation (γ, μ/σ, α-law one at a time)")
     q.add_argument("--markdown", help="also write the tables to this file")
@@ -169,30 +176,31 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(fn=_codec_quality)
 
     b = _sub(sub, "bench", "benchmarks that print numbers and a final JSON line")
-    b.add_argument("what", choices=["codec", "kernels", "transfer", "session", "startup"],
+    b.add_argument("what", choices=["codec", "kernels", "transfer", "session", "startup", "server-memory"],
                    help="codec: encode/decode throughput; kernels --gpu-compile: every Triton launch compiled for "
                         "sm_80 and sm_90 here (registers, spills, bytes moved); transfer: TTFT/TT32T over the "
                         "two-process path per link "
                         "speed; session: an agent conversation over the two-process path, each turn's new KV "
                         "(delta) versus the whole history re-shipped; startup: `lynx-hf --help` and the default "
-                        "model's load, each in a fresh process")
+                        "model's load, each in a fresh process; server-memory: a serve-prefill's VmRSS after a 6K-"
+                        "token miss, with 4 clients that never read, and idle, against the bounds it declares")
     b.add_argument("--gpu-compile", action="store_true",
                    help="kernels: compile ahead of time for NVIDIA sm_80 / sm_90 (no GPU needed)")
-    b.add_argument("--tokens", type=int, default=4096, help="codec: headline size, the KV of this many tokens")
+    b.add_argument("--tokens", type=tokens(), default=4096, help="codec: headline size, the KV of this many tokens")
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="codec")
-    b.add_argument("--max-mb", type=float, default=1200, help="codec: largest tensor of the size sweep")
-    b.add_argument("--reps", type=int, default=5, help="codec: timed repetitions per size (the median is reported)")
-    b.add_argument("--links", type=float, nargs="+", default=[50, 200, 1000, 10000],
+    b.add_argument("--max-mb", type=megabytes(), default=1200, help="codec: largest tensor of the size sweep")
+    b.add_argument("--reps", type=count(1000), default=5, help="codec: timed repetitions per size (the median is reported)")
+    b.add_argument("--links", type=mbps("no emulation"), nargs="+", default=[50, 200, 1000, 10000],
                    help="transfer: Mbit/s (0: no emulation, loopback as it is)")
     b.add_argument("--data-plane", choices=["tcp", "nixl"], default="tcp",
                    help=f"transfer: the segments' bytes over the channel or by NIXL ({NIXL_EXTRA}; results in "
                         f"runs/bench_transfer_nixl)")
-    b.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192], help="transfer: prompt tokens")
+    b.add_argument("--contexts", type=tokens(), nargs="+", default=[512, 2048, 8192], help="transfer: prompt tokens")
     b.add_argument("--prompts", nargs="+", default=["code", "shakespeare"],
                    help="transfer: 'code' (stdlib source), 'shakespeare' (shared data) or text files")
-    b.add_argument("--new-tokens", type=int, default=32, help="transfer, session: tokens generated per request/turn")
-    b.add_argument("--turns", type=int, default=4, help="session: turns of the conversation (8 reach ~6K tokens)")
-    b.add_argument("--bandwidth-mbps", type=float, default=15.0, help="session: the emulated link")
+    b.add_argument("--new-tokens", type=tokens(hi=4096), default=32, help="transfer, session: tokens generated per request/turn")
+    b.add_argument("--turns", type=count(1000), default=4, help="session: turns of the conversation (8 reach ~6K tokens)")
+    b.add_argument("--bandwidth-mbps", type=mbps(), default=15.0, help="session: the emulated link")
     b.add_argument("--no-prefix-cache", action="store_true", help="session: the prefill server keeps no prefix cache")
     b.add_argument("--bf16-whole", action="store_true", help="session: also re-ship the whole history in BF16")
     b.add_argument("--results", metavar="FILE",
@@ -205,16 +213,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(fn=_bench)
 
     c = _sub(sub, "acceptance", "accepted anchor-tier drafts, chain versus tree (20 prompts)")
-    c.add_argument("--drafts", type=int, default=31, help="draft steps before the residual lands")
+    c.add_argument("--drafts", type=tokens(0, 4096), default=31, help="draft steps before the residual lands")
     c.add_argument("--model", help="Hub id or local path (default: embedded SmolLM2-135M-Instruct)")
     c.add_argument("--json", action="store_true", help="print only the final JSON line")
     c.set_defaults(fn=_acceptance)
 
     d = _sub(sub, "demo", "prefill and decode processes over loopback TCP: BF16 / INT8 / INT4 / Lynx")
     d.add_argument("--prompt-file", help="any text file (default: Python standard-library source)")
-    d.add_argument("--tokens", type=int, default=1024, help="prompt length in tokens")
-    d.add_argument("--bandwidth-mbps", type=float, default=15.0, help="link emulator, Mbit/s")
-    d.add_argument("--new-tokens", type=int, default=32, help="tokens to generate per method")
+    d.add_argument("--tokens", type=tokens(), default=1024, help="prompt length in tokens")
+    d.add_argument("--bandwidth-mbps", type=mbps(), default=15.0, help="link emulator, Mbit/s")
+    d.add_argument("--new-tokens", type=tokens(hi=4096), default=32, help="tokens to generate per method")
     d.add_argument("--out", default="runs", help="folder for demo.json and demo_timeline.png")
     d.add_argument("--model", help="Hub id or local path (default: embedded SmolLM2-135M-Instruct)")
     d.add_argument("--json", action="store_true", help="print only the final JSON line")
@@ -226,17 +234,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = _sub(sub, "results", "the paper's table by KV mode: wire, TTFT/TT32T, RULER, MMLU-Pro (docs/results.md, "
                              "docs/results.json); reads MMLU-Pro (README, Data)")
-    r.add_argument("--questions", type=int, default=500, help="MMLU-Pro questions per context length")
-    r.add_argument("--contexts", type=int, nargs="+", default=[512, 1024], help="context lengths in tokens")
+    r.add_argument("--questions", type=count(1 << 20), default=500, help="MMLU-Pro questions per context length")
+    r.add_argument("--contexts", type=tokens(), nargs="+", default=[512, 1024], help="context lengths in tokens")
     r.add_argument("--model", help="Hub id or local path (default: embedded SmolLM2-135M-Instruct)")
     r.add_argument("--lynx-config", help="folder, file or Hub repo with a lynx_config.json")
-    r.add_argument("--residual-after", type=int, default=2, help="Lynx: residual lands after this many draft steps")
-    r.add_argument("--ruler-samples", type=int, default=50, help="RULER samples per (task, length) cell (0: no RULER)")
+    r.add_argument("--residual-after", type=tokens(0, 4096), default=2, help="Lynx: residual lands after this many draft steps")
+    r.add_argument("--ruler-samples", type=count(1 << 20, lo=0), default=50, help="RULER samples per (task, length) cell (0: no RULER)")
     r.add_argument("--ruler-cells", nargs="+", metavar="TASK@LENGTH",
                    help="RULER cells (default: niah_single_1, niah_multikey_2, niah_multikey_3 at 1K and 2K, "
                         "niah_single_1 at 4K)")
     r.add_argument("--no-demo", action="store_true", help="skip the two-process demo (no MB/TTFT/TT32T columns)")
-    r.add_argument("--bandwidth-mbps", type=float, default=15.0, help="the demo's emulated link")
+    r.add_argument("--bandwidth-mbps", type=mbps(), default=15.0, help="the demo's emulated link")
     r.add_argument("--out", default="docs/results.md", help="the Markdown table (the JSON beside it)")
     r.add_argument("--json", action="store_true", help="print only the final JSON line")
     r.set_defaults(fn=_results)
@@ -244,9 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     k = _sub(sub, "calibrate", "search the codec's settings for a model; writes lynx_config.json")
     k.add_argument("--model", help="Hub id or local path (default: embedded SmolLM2-135M-Instruct)")
     k.add_argument("--text", help="calibration text file (default: shared tinyshakespeare)")
-    k.add_argument("--budget", type=int, default=24, help="settings to score at most")
-    k.add_argument("--contexts", type=int, nargs="+", default=[512, 1024], help="calibration prompt lengths")
-    k.add_argument("--gen", type=int, default=32, help="teacher-forced tokens per prompt")
+    k.add_argument("--budget", type=count(10000), default=24, help="settings to score at most")
+    k.add_argument("--contexts", type=tokens(), nargs="+", default=[512, 1024], help="calibration prompt lengths")
+    k.add_argument("--gen", type=tokens(hi=4096), default=32, help="teacher-forced tokens per prompt")
     k.add_argument("--out", default="lynx_config", help="folder for lynx_config.json")
     k.add_argument("--json", action="store_true", help="print only the final JSON line")
     k.set_defaults(fn=_calibrate)
@@ -256,12 +264,12 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--out", required=True, help="folder to write")
     h.add_argument("--results", default="docs/results.md", help="results of `lynx-hf results` ('' for none)")
     h.add_argument("--lynx-config", help="folder, file or Hub repo with a lynx_config.json (default: the defaults)")
-    h.add_argument("--residual-after", type=int, default=8, help="custom_generate's local residual schedule")
+    h.add_argument("--residual-after", type=tokens(0, 4096), default=8, help="custom_generate's local residual schedule")
     h.add_argument("--push", metavar="REPO", help="upload the folder to this Hub repo")
     h.set_defaults(fn=_card)
 
     s = _sub(sub, "simulate", "analytic TTFT / TT32T model fitted to the paper, then extrapolated")
-    s.add_argument("--acceptance", type=float, default=24.3 / 31,
+    s.add_argument("--acceptance", type=number(0, 1), default=24.3 / 31,
                    help="fraction of draft steps kept (default: the tree's, lynx-hf acceptance)")
     s.add_argument("--json", action="store_true", help="print only the final JSON line")
     s.set_defaults(fn=_simulate)

@@ -12,6 +12,7 @@ import warnings
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from .arch import held_positions, layer_windows
 from .config import LynxQuantConfig
@@ -25,15 +26,43 @@ class PromptCapture(DynamicCache):
     """A DynamicCache for the prefill forward (in one pass or in chunks) that hands each layer's needed prompt KV to
     `on_layer(i, k, v, start)` as soon as the layer has produced it (k, v: [B, H_kv, n, D] for prompt positions
     [start, start + n) among the layer's held ones, the last held_i positions of the prompt, from `ship_from` on: a
-    continued turn ships only what the decode side does not hold). With `keep`, every pass's KV is also kept per
-    layer in `kept` (the prefill server's prefix cache takes it)."""
+    continued turn ships only what the decode side does not hold). `span(i, a, b)` reads positions [a, b) back from
+    a full-attention layer's own KV (no copy); with `keep`, `kept_kv(i, start)` gives positions [start, end) of
+    every layer for the prefill server's prefix cache — a full-attention layer's own KV, a sliding-window layer's
+    passes as they came (its cache drops what leaves the window)."""
 
     def __init__(self, config, on_layer, prompt_len: int, ship_from: int = 0, keep: bool = False):
         super().__init__(config=config)
         self.on_layer, self.prompt_len, self.ship_from = on_layer, prompt_len, ship_from
         self.held = [held_positions(prompt_len, w) for w in layer_windows(config)]
         self.seen = [0] * len(self.held)
-        self.kept: list | None = [[] for _ in self.held] if keep else None
+        self.keep = keep
+        self.kept: list = [[] for _ in self.held]  # passes of layers `span` cannot read back (keep only)
+
+    def whole(self, i: int) -> bool:
+        """Whether layer i's own KV holds every position it has seen (a full-attention DynamicLayer)."""
+        l = self.layers[i] if i < len(self.layers) else None
+        return type(l) is DynamicLayer and l.is_initialized and l.keys.shape[-2] == self.seen[i]
+
+    def span(self, i: int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions [a, b) of full-attention layer i, as views of its own KV ([B, H_kv, b - a, D])."""
+        if not self.whole(i):
+            raise ValueError(f"layer {i} does not keep every position it saw (a sliding window)")
+        l = self.layers[i]
+        return l.keys[:, :, a:b], l.values[:, :, a:b]
+
+    def kept_kv(self, i: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions [start, seen) of layer i (keep): views of its own KV, or its kept passes joined."""
+        if self.whole(i):
+            return self.span(i, start, self.seen[i])
+        ks, vs = zip(*self.kept[i])
+        k, v = torch.cat(ks, 2), torch.cat(vs, 2)
+        first = self.seen[i] - k.shape[2]
+        return k[:, :, start - first:], v[:, :, start - first:]
+
+    def forget_kept(self) -> None:
+        """Drop the kept passes so far (what was fed from the prefix cache is there already)."""
+        self.kept = [[] for _ in self.held]
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if not 0 <= layer_idx < len(self.held):
@@ -42,7 +71,7 @@ class PromptCapture(DynamicCache):
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         s0, n = self.seen[layer_idx], key_states.shape[-2]  # this pass: prompt positions [s0, s0 + n)
         self.seen[layer_idx] = s0 + n
-        if self.kept is not None:
+        if self.keep and not self.whole(layer_idx):
             self.kept[layer_idx].append((key_states, value_states))
         lo = max(s0, self.prompt_len - self.held[layer_idx], self.ship_from)
         if lo < s0 + n <= self.prompt_len:

@@ -354,8 +354,13 @@ def test_a_prompt_past_the_models_context_is_refused(tiny):
     srv = S.PrefillServer(small, secret=SECRET).start()
     try:
         cli = DecodeClient(small, *srv.address, secret=SECRET)
+        with pytest.raises(ValueError, match="65 tokens exceeds this model's context of 64"):
+            cli.generate(ids(65, 0), Q(), max_new_tokens=2)  # refused here, before a byte is sent
+        assert not cli.broken and cli._rid == 0
+        cli._rid += 1  # and by the server, for a client that sends it anyway
+        cli.ch.send_json(FrameType.REQUEST, {"input_ids": ids(65, 0), "quant_config": Q().to_dict()}, cli._rid)
         with pytest.raises(WireError, match="65 tokens exceeds this model's context of 64"):
-            cli.generate(ids(65, 0), Q(), max_new_tokens=2)
+            cli.ch.recv(10)
         cli.close()
     finally:
         srv.close()
@@ -553,14 +558,14 @@ def test_serve_decode_answers_every_line_even_one_that_is_not_utf8(tiny, monkeyp
 
 @pytest.mark.parametrize("args, says", [
     (["--secret", "s", "--tls-key", "k.pem"], "--tls-key without --tls-cert"),
-    (["--secret", "s", "--bandwidth-mbps", "-1"], "--bandwidth-mbps must be"),
-    (["--secret", "s", "--bandwidth-mbps", "0"], "--bandwidth-mbps must be"),
-    (["--secret", "s", "--bandwidth-mbps", "nan"], "--bandwidth-mbps must be"),
+    (["--secret", "s", "--bandwidth-mbps", "-1"], "argument --bandwidth-mbps: must be a finite number in (0,"),
+    (["--secret", "s", "--bandwidth-mbps", "0"], "argument --bandwidth-mbps: must be a finite number in (0,"),
+    (["--secret", "s", "--bandwidth-mbps", "nan"], "argument --bandwidth-mbps: must be a finite number in (0,"),
     (["--secret", "s", "--insecure"], "together"),
     (["--secret", "s", "--secret-file", "f"], "--secret and --secret-file together"),
     (["--secret-file", "/nonexistent/secret"], "cannot read the secret file"),
 ])
-def test_serve_prefill_refuses_bad_flags_before_loading_the_model(monkeypatch, args, says):
+def test_serve_prefill_refuses_bad_flags_before_loading_the_model(monkeypatch, capsys, args, says):
     """Before: --tls-key alone started in plaintext without a word, and --bandwidth-mbps -1 started a server whose
     every connection died holding its slot."""
     import lynx_hf
@@ -570,7 +575,7 @@ def test_serve_prefill_refuses_bad_flags_before_loading_the_model(monkeypatch, a
     monkeypatch.delenv("LYNX_SECRET", raising=False)
     with pytest.raises(SystemExit) as e:
         main(["serve-prefill", "--listen", "127.0.0.1:0", *args])
-    assert says in str(e.value.code)
+    assert says in str(e.value.code) + capsys.readouterr().err
 
 
 def test_a_secret_file_is_read_and_used(tiny, tmp_path):

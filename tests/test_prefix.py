@@ -6,13 +6,14 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from conftest import make_tiny
 from lynx_hf import LynxQuantConfig as Q, SpecConfig
 from lynx_hf.arch import fingerprint
 from lynx_hf.transfer import server as S
 from lynx_hf.transfer.decode import DecodeClient
-from lynx_hf.transfer.prefix_cache import CHUNK, PrefixCache, token_digest
+from lynx_hf.transfer.prefix_cache import CHUNK, PrefixCache, layer_kv, token_digest
 from lynx_hf.transfer.wire import FrameType, WireError
 
 SECRET = "prefix-secret"
@@ -33,14 +34,17 @@ def test_lookup_returns_the_longest_cached_whole_chunk_prefix_bit_exact():
     pc = PrefixCache(1 << 30, "fp")
     a = ids(3 * CHUNK + 10, 1)
     pc.insert(a, 0, kv(len(a)))
-    n, got = pc.lookup(a, len(a) - 1)
+    n, blocks = pc.lookup(a, len(a) - 1)
+    got = [layer_kv(blocks, i) for i in range(2)]
     assert n == 3 * CHUNK
     assert all(torch.equal(g[0], k[:, :, :n]) and torch.equal(g[1], v[:, :, :n]) for g, (k, v) in zip(got, kv(len(a))))
+    again = pc.lookup(a, len(a))[1]  # a hit hands out the cache's own tensors: never a copy per request
+    assert all(x[0][0] is y[0][0] for x, y in zip(blocks, again))
     assert pc.lookup(a, 2 * CHUNK + 5)[0] == 2 * CHUNK       # within the limit (a prompt's last token is computed)
     b = a[:CHUNK] + [int(t) % 90 + 3 for t in a[CHUNK:CHUNK + 1]] + a[CHUNK + 1:]
     assert pc.lookup(b, len(b))[0] == CHUNK                   # diverges in chunk 1: only chunk 0 is shared
-    assert pc.lookup(ids(600, 2), 600) == (0, None)
-    assert pc.stats()["hits"] == 3 and pc.stats()["misses"] == 1
+    assert pc.lookup(ids(600, 2), 600) == (0, [])
+    assert pc.stats()["hits"] == 4 and pc.stats()["misses"] == 1
 
 
 def test_keys_chain_the_whole_prefix_and_a_collision_cannot_serve_other_tokens():
@@ -51,7 +55,7 @@ def test_keys_chain_the_whole_prefix_and_a_collision_cannot_serve_other_tokens()
     assert pc.lookup(b2, 2 * CHUNK)[0] == 0
     # a forged entry under a's key but holding other ids (what a hash collision would be) is not served
     key = pc._keys(a, 1)[0][0]
-    pc._entries[key] = (b"\0" * 8 * CHUNK, pc._entries[key][1])
+    pc._entries[key].ids = b"\0" * 8 * CHUNK
     assert pc.lookup(a, 2 * CHUNK)[0] == 0
     # another model or dtype: another root
     other = PrefixCache(1 << 30, "fp2")
@@ -59,20 +63,75 @@ def test_keys_chain_the_whole_prefix_and_a_collision_cannot_serve_other_tokens()
     assert other._keys(a, 1)[0][0] != pc._keys(a, 1)[0][0]
 
 
-def test_the_budget_bounds_bytes_and_evicts_least_recently_used():
-    chunk_bytes = 2 * 2 * (2 * CHUNK * 4 * 4)  # layers x (K, V) x [1, 2, 256, 4] float32
-    pc = PrefixCache(3 * chunk_bytes, "fp")
+CHUNK_BYTES = 2 * 2 * (2 * CHUNK * 4 * 4)  # layers x (K, V) x [1, 2, 256, 4] float32
+
+
+def test_the_budget_bounds_bytes_and_evicts_a_chains_tail_first():
+    pc = PrefixCache(3 * CHUNK_BYTES, "fp")
     a, b = ids(2 * CHUNK, 5), ids(2 * CHUNK, 6)
     pc.insert(a, 0, kv(2 * CHUNK))
-    assert pc.lookup(a, 2 * CHUNK)[0] == 2 * CHUNK  # a is now the most recently used
-    pc.insert(b, 0, kv(2 * CHUNK))                  # 4 chunks > 3: a's oldest-used one goes
+    assert pc.lookup(a, 2 * CHUNK)[0] == 2 * CHUNK
+    pc.insert(b, 0, kv(2 * CHUNK))                  # 4 blocks > 3: a's last block goes, its head stays
     st = pc.stats()
-    assert st["bytes"] <= st["budget"] and st["evictions"] == 1 and st["entries"] == 3
+    assert st["bytes"] <= st["budget"] and st["evictions"] == 1 and st["entries"] == 3 and st["unreachable"] == 0
     assert pc.lookup(b, 2 * CHUNK)[0] == 2 * CHUNK
-    assert pc.lookup(a, 2 * CHUNK)[0] == 0           # its first chunk was evicted: a miss, never wrong KV
-    assert PrefixCache(0, "fp").lookup(a, 2 * CHUNK) == (0, None)  # 0: off
+    assert pc.lookup(a, 2 * CHUNK)[0] == CHUNK      # a still hits its head
+    assert PrefixCache(0, "fp").lookup(a, 2 * CHUNK) == (0, [])  # 0: off
     with pytest.raises(ValueError, match="budget"):
         PrefixCache(-1, "fp")
+
+
+def test_two_long_prompts_alternating_under_a_small_budget_keep_hitting_their_heads():
+    """Two 8-block prompts under a 12-block budget, each sent in turn (miss, compute, insert): evicting tails keeps
+    every later request hitting (12 - 8 =) 4 blocks of its prompt — not a cache full of unreachable entries."""
+    pc = PrefixCache(12 * CHUNK_BYTES, "fp")
+    a, b = ids(8 * CHUNK + 5, 20), ids(8 * CHUNK + 5, 21)
+    hits = []
+    for p in (a, b) * 4:
+        n, _ = pc.lookup(p, len(p) - 1)
+        hits.append(n // CHUNK)
+        pc.insert(p, n, [(k[:, :, n:], v[:, :, n:]) for k, v in kv(len(p))])
+        assert pc.stats()["unreachable"] == 0 and pc.stats()["bytes"] <= pc.budget
+    assert hits == [0, 0] + [4] * 6
+
+
+def test_a_prompt_larger_than_the_budget_keeps_its_head():
+    pc = PrefixCache(3 * CHUNK_BYTES, "fp")
+    a = ids(6 * CHUNK, 22)
+    assert pc.insert(a, 0, kv(6 * CHUNK)) == 3
+    assert pc.lookup(a, len(a))[0] == 3 * CHUNK       # sent again: its first 3 blocks hit
+    n, blocks = pc.lookup(a, len(a))
+    assert torch.equal(layer_kv(blocks, 1)[0], kv(6 * CHUNK)[1][0][:, :, :n])
+    assert pc.stats()["entries"] == 3 and pc.stats()["unreachable"] == 0
+
+
+def test_a_block_whose_prefix_is_gone_is_never_inserted():
+    pc = PrefixCache(1 << 30, "fp")
+    a = ids(3 * CHUNK, 23)
+    assert pc.insert(a, CHUNK, [(k[:, :, CHUNK:], v[:, :, CHUNK:]) for k, v in kv(3 * CHUNK)]) == 0  # no block 0
+    assert pc.stats()["entries"] == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 6), st.booleans()), min_size=1, max_size=30),
+       st.integers(1, 10))
+def test_random_inserts_and_lookups_never_leave_an_unreachable_entry(ops, budget_blocks):
+    """Prompts drawn from 6 families sharing prefixes (family f's block j depends on f // 2 up to block 2), inserted
+    from their hit on or looked up, under a budget of 1-10 blocks: every entry stays reachable, bytes within the
+    budget, and a hit's KV is bit-exact."""
+    pc = PrefixCache(budget_blocks * CHUNK_BYTES, "fp")
+    fam = lambda f, n: (ids(2 * CHUNK, f // 2) + ids(4 * CHUNK, 100 + f))[:n * CHUNK]
+    for f, n, insert in ops:
+        p = fam(f, n)
+        hit, blocks = pc.lookup(p, len(p))
+        if blocks:
+            assert torch.equal(layer_kv(blocks, 0)[0], kv(hit)[0][0])
+        if insert:
+            pc.insert(p, hit, [(k[:, :, hit:], v[:, :, hit:]) for k, v in kv(len(p))])
+        st_ = pc.stats()
+        assert st_["unreachable"] == 0 and st_["bytes"] <= st_["budget"]
+        assert st_["bytes"] == sum(e.nbytes for e in pc._entries.values())
+        assert all(e.children == sum(c.parent == k for c in pc._entries.values()) for k, e in pc._entries.items())
 
 
 def test_insert_from_a_hit_keeps_only_the_computed_chunks():
@@ -80,8 +139,8 @@ def test_insert_from_a_hit_keeps_only_the_computed_chunks():
     a = ids(3 * CHUNK, 7)
     pc.insert(a, 0, kv(CHUNK))
     pc.insert(a, CHUNK, [(k[:, :, CHUNK:], v[:, :, CHUNK:]) for k, v in kv(3 * CHUNK)])
-    n, got = pc.lookup(a, 3 * CHUNK)
-    assert n == 3 * CHUNK and torch.equal(got[1][0], kv(3 * CHUNK)[1][0])
+    n, blocks = pc.lookup(a, 3 * CHUNK)
+    assert n == 3 * CHUNK and torch.equal(layer_kv(blocks, 1)[0], kv(3 * CHUNK)[1][0])
 
 
 # -- over the wire ----------------------------------------------------------------------------------------------------
@@ -116,6 +175,29 @@ def test_a_session_ships_only_new_positions_and_equals_the_whole_history(tiny, s
         assert sess[t]["bytes"] / (L - sess[t]["held_tokens"]) == pytest.approx(per_token, rel=0.02)
         assert sess[t]["prefix_hit"] >= CHUNK  # the prefill side started past its cached prefix
     cli.close()
+
+
+def test_two_long_prompts_alternating_through_a_small_server_cache_keep_hitting(tiny):
+    """Through the server: two 7-block prompts under a 10-block budget (the tiny model: 512 B a token) — every
+    request after the first two hits its prompt's head (before: the chains lost their heads first, and every
+    request missed), and the output is the unbounded server's."""
+    block = CHUNK * 2 * 2 * 2 * 16 * 4  # tokens x layers x (K, V) x kv heads x head dim x fp32
+    srv = S.PrefillServer(tiny, secret=SECRET, prefix_cache_mb=10 * block / 2**20).start()
+    ref = S.PrefillServer(tiny, secret=SECRET, prefix_cache_mb=0).start()
+    try:
+        cli, plain = (DecodeClient(tiny, *s.address, secret=SECRET) for s in (srv, ref))
+        a, b = ids(7 * CHUNK + 5, 30), ids(7 * CHUNK + 5, 31)
+        hits = []
+        for p in (a, b) * 2:
+            r = cli.generate(p, Q(), max_new_tokens=3)
+            hits.append(r["prefix_hit"] // CHUNK)
+            assert r["tokens"] == plain.generate(p, Q(), max_new_tokens=3)["tokens"]
+        assert hits == [0, 0, 3, 3] and srv.prefix.stats()["unreachable"] == 0
+        for c in (cli, plain):
+            c.close()
+    finally:
+        srv.close()
+        ref.close()
 
 
 def test_a_shared_system_prompt_is_prefilled_once_for_every_connection(tiny, server):

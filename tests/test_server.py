@@ -362,6 +362,7 @@ def test_a_handshake_broken_otherwise_is_not_called_an_authentication_failure():
 
     def serve():
         server.send_json(FrameType.HELLO, {"role": "prefill", "nonce": "b" * 32})
+        server.recv(5, FrameType.PROBE)  # the client's first frame (a TLS port would fail on it at once)
         server.recv(5, FrameType.HELLO)
         server.send_json(FrameType.ERROR, {"error": "overloaded, try later"})
 

@@ -212,9 +212,24 @@ class Turns:
 
     def __deepcopy__(self, memo):
         """An independent branch of a held conversation (a fresh cache is sealed first: its residual awaited)."""
+        return self._branch(memo, "copy.deepcopy(LynxCache)")
+
+    def fork(self) -> "Turns":
+        """A branch of a held conversation that shares its sealed KV instead of copying it: sealed KV is never
+        written in place (a turn crops by slicing, appends by concatenating, materialises into new buffers), so a
+        turn on the branch — successful or failed half-way — leaves this cache as it was. What a network
+        conversation's turn runs on."""
         self._settle()
         if self._phase in ("busy", "plain", "broken"):
-            raise ValueError(f"copy.deepcopy(LynxCache): {BROKEN if self._phase == 'broken' else BUSY}")
+            raise ValueError(f"LynxCache.fork(): {BROKEN if self._phase == 'broken' else BUSY}")
+        self._seal_all()
+        memo = {id(t): t for l in self.layers for t in (l.keys, l.values) if t is not None}
+        return self._branch(memo, "LynxCache.fork()")
+
+    def _branch(self, memo, what: str):
+        self._settle()
+        if self._phase in ("busy", "plain", "broken"):
+            raise ValueError(f"{what}: {BROKEN if self._phase == 'broken' else BUSY}")
         self._seal_all()
         self._phase = "held"
         new = type(self).__new__(type(self))

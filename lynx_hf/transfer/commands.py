@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import socket
 import sys
 
@@ -78,9 +77,7 @@ def _serve_prefill(a):
     if a.tls_key and not a.tls_cert:
         raise SystemExit("lynx-hf serve-prefill: error: --tls-key without --tls-cert (pass both, or neither for "
                          "plain TCP)")
-    bw = a.bandwidth_mbps
-    if bw is not None and not (math.isfinite(bw) and bw > 0):
-        raise SystemExit(f"lynx-hf serve-prefill: error: --bandwidth-mbps must be a finite number > 0, got {bw}")
+    bw = a.bandwidth_mbps  # (every numeric flag was checked by argparse: lynx_hf.flags)
     try:  # the port first, bound but not yet listening: a port in use is said before the model loads, and a
         # client that connects while the model loads is refused (it retries) rather than left waiting for a HELLO
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -96,7 +93,8 @@ def _serve_prefill(a):
                             latency_s=a.latency_ms / 1e3, handshake_timeout=a.handshake_timeout,
                             max_preauth=a.max_preauth, max_preauth_per_host=a.max_preauth_per_host,
                             idle_timeout_s=a.idle_timeout, send_timeout_s=a.send_timeout, prefill_chunk=a.prefill_chunk,
-                            prefix_cache_mb=a.prefix_cache_mb, data_plane=a.data_plane)
+                            prefix_cache_mb=a.prefix_cache_mb, data_plane=a.data_plane,
+                            max_inflight_mb=a.max_inflight_mb, max_concurrent_prefills=a.max_concurrent_prefills)
     except ConfigError as e:
         raise SystemExit(f"lynx-hf serve-prefill: error: {e}")
     logging.getLogger("lynx_hf.prefill").info("serving on %s:%s", *srv.address)
@@ -163,6 +161,8 @@ def _serve_decode(a):
         try:
             if cli is None:
                 cli = connect()
+                if sess is not None:
+                    sess.reconnect(cli)  # the conversation goes on: a failed turn left its cache as it was
             kw = dict(max_new_tokens=a.max_new_tokens, speculative=not a.no_drafts)
             if a.session:  # the conversation's next user turn: only its new positions cross the link
                 sess = sess or cli.session()
@@ -177,7 +177,7 @@ def _serve_decode(a):
             fail(f"{label}: {e}")
             if cli is not None and cli.broken:
                 cli.close()
-                cli = sess = None  # the next prompt opens a new connection (a session then re-ships its history)
+                cli = None  # the next prompt opens a new connection; a session resumes there, shipping only its new part
             continue
         text = tok.decode(r["tokens"], skip_special_tokens=True) if a.session else tok.decode(r["tokens"])
         print(json.dumps({"text": text, "tokens": r["tokens"],
@@ -192,28 +192,40 @@ def _serve_decode(a):
 
 def register(sub) -> None:
     from ..config import METHODS
+    from ..flags import (MAX_CONCURRENT_PREFILLS, MAX_INFLIGHT_MB, PREFIX_CACHE_MB, count, mbps, megabytes, number,
+                         seconds, tokens)
 
     p = sub.add_parser("serve-prefill", help="the prefill process: computes KV and streams anchor, then residual",
                        formatter_class=HelpFormatter,
                        description="Serve decode peers: authenticate each (shared secret), prefill its prompts and "
-                                   "stream their KV, anchor first. Bounds: docs/wire-format.md, 'Threat model'.")
+                                   "stream their KV, anchor first. Memory: every byte held is under a bound below — "
+                                   "the model, --prefix-cache-mb, --max-concurrent-prefills working sets (each a "
+                                   "prompt's KV at most twice, at the model's context), --max-connections x "
+                                   "--max-inflight-mb of queued frames; the startup log line gives the sums "
+                                   "(docs/wire-format.md, 'Memory' and 'Threat model').")
     p.add_argument("--listen", default="127.0.0.1:7480", help="HOST:PORT (binds loopback unless told otherwise)")
-    p.add_argument("--bandwidth-mbps", type=float, default=None, help="emulate a link of this bandwidth")
-    p.add_argument("--latency-ms", type=float, default=0.0, help="emulated one-way latency")
-    p.add_argument("--max-connections", type=int, default=32, help="authenticated connections served at once")
-    p.add_argument("--max-preauth", type=int, default=128,
+    p.add_argument("--bandwidth-mbps", type=mbps(), default=None, help="emulate a link of this bandwidth")
+    p.add_argument("--latency-ms", type=number(0, 60000), default=0.0, help="emulated one-way latency")
+    p.add_argument("--max-connections", type=count(65536), default=32, help="authenticated connections served at once")
+    p.add_argument("--max-preauth", type=count(65536), default=128,
                    help="connections still in their handshake (over it, the oldest idle one is dropped)")
-    p.add_argument("--max-preauth-per-host", type=int, default=96, help="the same, per source address")
-    p.add_argument("--handshake-timeout", type=float, default=5.0, help="seconds to complete TLS + Lynx handshake")
-    p.add_argument("--idle-timeout", type=float, default=300.0,
+    p.add_argument("--max-preauth-per-host", type=count(65536), default=96, help="the same, per source address")
+    p.add_argument("--handshake-timeout", type=seconds(), default=5.0, help="seconds to complete TLS + Lynx handshake")
+    p.add_argument("--idle-timeout", type=seconds(), default=300.0,
                    help="seconds an authenticated connection may stay without a request")
-    p.add_argument("--send-timeout", type=float, default=30.0,
+    p.add_argument("--send-timeout", type=seconds(), default=30.0,
                    help="seconds a client may leave a frame unread before its connection is dropped")
-    p.add_argument("--prefill-chunk", type=int, default=1024,
+    p.add_argument("--prefill-chunk", type=tokens(), default=1024,
                    help="tokens per forward pass of a long prompt (a short request waits for at most one)")
-    p.add_argument("--prefix-cache-mb", type=float, default=512.0,
+    p.add_argument("--prefix-cache-mb", type=megabytes("off"), default=PREFIX_CACHE_MB,
                    help="full-precision KV of prefilled prompts kept for later turns and other clients (LRU, by "
                         "256-token chunks; 0: off)")
+    p.add_argument("--max-inflight-mb", type=megabytes(), default=MAX_INFLIGHT_MB,
+                   help="a connection's frames queued and not yet read by its client: one that stops reading stalls "
+                        "its own request at this bound (in the anchor-first order within it)")
+    p.add_argument("--max-concurrent-prefills", type=count(1024), default=MAX_CONCURRENT_PREFILLS,
+                   help="requests holding a prompt's working set (its KV, once) at a time; more wait, hearing "
+                        "PROGRESS")
     p.add_argument("--data-plane", choices=["tcp", "nixl"], default="tcp",
                    help=f"nixl: also let clients have the segments' bytes written into their memory by NIXL (UCX; "
                         f"{NIXL_HELP}); the control frames stay on the authenticated channel")
@@ -239,8 +251,8 @@ def register(sub) -> None:
     q.add_argument("--session", action="store_true",
                    help="one conversation: each prompt is the next user turn (the chat template renders the whole "
                         "conversation; the decode side keeps its KV, so only each turn's new tokens cross the link)")
-    q.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt")
-    q.add_argument("--timeout", type=float, default=30.0,
+    q.add_argument("--max-new-tokens", type=tokens(), default=32, help="tokens to generate per prompt")
+    q.add_argument("--timeout", type=seconds(), default=30.0,
                    help="seconds of silence from the server before a request fails (a queued request hears "
                         "PROGRESS frames meanwhile)")
     q.add_argument("--no-drafts", action="store_true", help="wait for the full tier (reference decoding)")

@@ -8,6 +8,7 @@ anchor first, which the cache takes as a new range behind its held, full-precisi
 digest did not match) is answered with the whole prompt, into a new cache, and `stats.held_refused` says why."""
 from __future__ import annotations
 
+import operator
 import socket
 import ssl
 import threading
@@ -20,7 +21,9 @@ from ..cache import LynxCache
 from ..config import LynxQuantConfig, SpecConfig
 from ..engine.warm import warm_up
 from ..errors import ConfigError
+from ..flags import MAX_TIMEOUT_S
 from ..loader import Loader
+from .prefill import max_prompt_tokens
 from .prefix_cache import token_digest
 from . import nixl
 from .serde import check_residual, stream_bound, to_split, unpack_logits, unpack_segment, warm
@@ -158,7 +161,10 @@ class DecodeClient:
         them into this process's memory: `pip install 'lynx-hf[nixl]'`, a server started with --data-plane nixl).
         Everything this side must compute happens before it connects, so that the server's handshake deadline
         measures the network and the peer only."""
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= MAX_TIMEOUT_S:
+            raise ConfigError(f"timeout_s must be a finite number of seconds in (0, {MAX_TIMEOUT_S:g}], got {timeout_s!r}")
         self.model, self.timeout = model, timeout_s
+        self.context = max_prompt_tokens(model)
         nixl.check_plane(data_plane)
         self.data_plane = data_plane
         if data_plane == "nixl":
@@ -213,27 +219,28 @@ class DecodeClient:
 
         if self._broken is not None:
             raise ConnectionError(f"this connection failed earlier ({self._broken}); open a new DecodeClient")
+        ids = self.check_turn(input_ids, max_new_tokens, cache)
         keep = keep_cache or cache is not None
-        self._rid += 1
-        rid, cfg = self._rid, (cache.quant_config if cache is not None and quant_config is None else
-                               quant_config or LynxQuantConfig())
-        device = next(self.model.parameters()).device
-        ids = torch.tensor([list(map(int, input_ids))], device=device)
+        cfg = cache.quant_config if cache is not None and quant_config is None else quant_config or LynxQuantConfig()
+        if cache is not None:  # the turn runs on a branch: whatever fails, `cache` stays as it was
+            cache = cache.fork()
         held = cache.continue_turn(ids) if cache is not None else 0  # waits for the last turn's residual
-        warm(cfg, self.geometry, len(input_ids), DTYPES[self.geometry["dtype"]], held)  # the receiver: no torch op
+        self._rid += 1
+        rid = self._rid
+        warm(cfg, self.geometry, ids.shape[1], DTYPES[self.geometry["dtype"]], held)  # the receiver: no torch op
         req = {"input_ids": ids[0].tolist(), "quant_config": cfg.to_dict(), "held": held}
         if held:
             req["held_digest"] = token_digest(self.fp, cfg.to_dict(), req["input_ids"][:held])
         arena = None
         if self.data_plane == "nixl":  # receive memory for every segment the codec can send, named in the REQUEST
-            arena = nixl.Arena(stream_bound(cfg, self.geometry, len(input_ids), DTYPES[self.geometry["dtype"]], held),
+            arena = nixl.Arena(stream_bound(cfg, self.geometry, ids.shape[1], DTYPES[self.geometry["dtype"]], held),
                                rid)
             req["data_plane"] = arena.request()
         t0 = time.perf_counter()
         try:
             self.ch.send_json(FrameType.REQUEST, req, rid)
-            p = self.ch.recv(self.timeout, FrameType.PROMPT).json()
-            self._check_handshake(p, len(input_ids), cfg)
+            p = self._recv_prompt()
+            self._check_handshake(p, ids.shape[1], cfg)
             if p.get("start") not in (held, 0) or (p.get("start") == 0 and held and not p.get("refused")):
                 raise WireError(f"the prefill side ships from position {p.get('start')!r}, this side holds {held}")
             if arena is not None and p.get("data_plane") != "nixl":
@@ -248,7 +255,7 @@ class DecodeClient:
             cache.trace.stats.held_tokens = held
         else:  # a first turn, or a refused claim: the whole prompt into a new cache
             # waits are bounded by the loader's per-frame timeout (a silent peer fails the cache), not by the cache's
-            cache = LynxCache(p["num_layers"], p["prompt_len"], cfg, spec, dtype=DTYPES[p["dtype"]], device=device,
+            cache = LynxCache(p["num_layers"], p["prompt_len"], cfg, spec, dtype=DTYPES[p["dtype"]], device=ids.device,
                               timeout_s=self.timeout + 600, sliding_windows=p["windows"]).expect_prompt(ids)
             cache.trace.stats.held_refused = p.get("refused")
         cache.trace.t0 = t0  # one clock: every figure of this request counts from sending it
@@ -266,7 +273,7 @@ class DecodeClient:
         if loader.error is not None:  # generation completed and verified; the connection is no longer usable
             self._broken = loader.error
         gen, ver = cache.trace.times("draft", "verified"), cache.trace.times("verified")
-        return {"tokens": out[0, len(input_ids):].tolist(), "t0": t0, "cache": cache, "held_tokens": held,
+        return {"tokens": out[0, ids.shape[1]:].tolist(), "t0": t0, "cache": cache, "held_tokens": held,
                 "prefix_hit": p.get("prefix_hit"),
                 # from sending the request (= its arrival at the prefill process, on loopback) to the first token
                 # this process produced (draft or verified), the first verified one (= stats' ttft_verified_s),
@@ -278,9 +285,45 @@ class DecodeClient:
                 "cancelled": loader.cancelled, "dropped_frames": loader.dropped, "placed_segments": loader.placed,
                 "loader_error": None if loader.error is None else str(loader.error)}
 
-    def session(self, **defaults) -> "Session":
-        """A conversation on this connection: each `Session.generate(ids)` continues the previous turn's cache."""
-        return Session(self, **defaults)
+    def _recv_prompt(self) -> dict:
+        """The PROMPT frame's JSON, after any PROGRESS (the request waits for a working-set slot: the server is
+        alive)."""
+        while (f := self.ch.recv(self.timeout)).type == FrameType.PROGRESS:
+            pass
+        if f.type != FrameType.PROMPT:
+            raise WireError(f"expected PROMPT, got {f.type.name}")
+        return f.json()
+
+    def check_turn(self, input_ids, max_new_tokens, cache: LynxCache | None) -> torch.Tensor:
+        """A request's arguments, checked before anything is sent or any cache touched: ids a non-empty list of ints
+        within the vocabulary and the model's context, max_new_tokens an int >= 1, `cache` one that can be continued.
+        Returns the ids as [1, L] on the model's device."""
+        bad = ValueError(f"input_ids must be a non-empty list of token ids (one sequence), got {str(input_ids)[:80]}")
+        if isinstance(input_ids, torch.Tensor):
+            if input_ids.dim() > 2 or input_ids.dim() == 2 and input_ids.shape[0] != 1 or input_ids.is_floating_point():
+                raise bad
+            input_ids = input_ids.reshape(-1).tolist()
+        try:
+            ids = [operator.index(i) for i in input_ids]
+        except TypeError:
+            raise bad from None
+        if not ids:
+            raise bad
+        vocab = self.geometry["vocab"]
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"token id out of range [0, {vocab})")
+        if len(ids) > self.context:
+            raise ValueError(f"a prompt of {len(ids)} tokens exceeds this model's context of {self.context} tokens")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        if cache is not None and not isinstance(cache, LynxCache):
+            raise TypeError(f"cache must be a LynxCache (a previous result's \"cache\"), got {type(cache).__name__}")
+        return torch.tensor([ids], device=next(self.model.parameters()).device)
+
+    def session(self, cache: LynxCache | None = None, **defaults) -> "Session":
+        """A conversation on this connection: each `Session.generate(ids)` continues the previous turn's cache.
+        `cache`: a conversation to resume (another session's `cache`, e.g. after its connection failed)."""
+        return Session(self, cache=cache, **defaults)
 
     @property
     def broken(self) -> bool:
@@ -296,19 +339,29 @@ class Session:
     it holds and only the new positions cross the link. `generate(ids, **kw)` takes the whole conversation so far
     (e.g. the chat template applied to every message) and returns DecodeClient.generate's result."""
 
-    def __init__(self, client: DecodeClient, on_mismatch: str = "crop", **defaults):
+    def __init__(self, client: DecodeClient, on_mismatch: str = "crop", cache: LynxCache | None = None, **defaults):
         """on_mismatch: what a turn whose ids contradict the held ones does — "crop" (a chat re-templated each turn
-        may re-tokenize earlier text: the cache keeps the common prefix, the rest is shipped) or "error"."""
+        may re-tokenize earlier text: the cache keeps the common prefix, the rest is shipped) or "error".
+        cache: the conversation so far (None: a new one)."""
         if on_mismatch not in ("crop", "error"):
             raise ValueError(f"on_mismatch must be 'crop' or 'error', got {on_mismatch!r}")
-        self.client, self.defaults, self.cache, self.on_mismatch = client, defaults, None, on_mismatch
+        self.client, self.defaults, self.cache, self.on_mismatch = client, defaults, cache, on_mismatch
 
     def generate(self, input_ids: list[int], **kw) -> dict:
+        """The next turn. Transactional: it runs on a branch of the cache, which replaces `self.cache` only once the
+        turn has succeeded — a refused turn, a peer gone, a timeout or a cancelled generate leaves the conversation
+        exactly as it was, to go on here or, after a failed connection, on another (`reconnect`)."""
         if self.cache is not None:
             self.cache.on_mismatch = self.on_mismatch
         r = self.client.generate(input_ids, cache=self.cache, keep_cache=True, **{**self.defaults, **kw})
         self.cache = r["cache"]
         return r
+
+    def reconnect(self, client: DecodeClient) -> "Session":
+        """Go on with this conversation over another connection (e.g. after `client.broken`): its next turn says
+        what the cache holds, so only the new positions are shipped."""
+        self.client = client
+        return self
 
     @property
     def held_ids(self) -> list[int]:

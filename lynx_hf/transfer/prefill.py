@@ -16,6 +16,9 @@ prefix (the decode side's generated tokens, which this side never saw, are recom
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import gc
 import heapq
 import hmac
 import itertools
@@ -30,7 +33,7 @@ from ..arch import fingerprint, kv_geometry
 from ..config import LynxQuantConfig
 from ..local import PromptCapture
 from ..quant import encode
-from .prefix_cache import PrefixCache, token_digest
+from .prefix_cache import PrefixCache, layer_kv, token_digest
 from .serde import pack_logits, pack_segment, stream_bound
 from .session import Channel, quote_peer
 from .transport import PRIO_ANCHOR, PRIO_END, PRIO_RESIDUAL
@@ -130,28 +133,56 @@ def kv_handshake(model, rid: int, prompt_len: int, cfg: LynxQuantConfig) -> dict
 
 
 class _Segmenter:
-    """Cuts each layer's held KV into SEGMENT frames on one grid (from the layer's first held position, `segment`
-    tokens each), however the forward pass was chunked: the frames are those of an unchunked prefill."""
+    """Cuts each layer's shipped KV into SEGMENT frames on one grid (from the layer's first shipped position,
+    `segment` tokens each), however the forward pass was chunked: the frames are those of an unchunked prefill.
+
+    Frames are queued as the layers produce their KV while the connection's in-flight frames have room. Inside a
+    compute turn (`in_turn`) nothing waits: a layer whose frames find no room keeps its positions pending — as a
+    range of the capture's own KV (a sliding-window layer: its passes, within its window) — and `flush()`, outside
+    the turn, queues them as the peer reads, so a client that stops reading stalls only its own request."""
 
     def __init__(self, ch: Channel, rid: int, cfg: LynxQuantConfig, prompt_len: int, num_layers: int,
                  segment: int = SEGMENT_TOKENS, plane=None):
         self.ch, self.rid, self.cfg, self.P, self.segment, self.plane = ch, rid, cfg, prompt_len, segment, plane
         self.num_layers = num_layers
-        self.pending: dict[int, tuple[int, list, list]] = {}  # layer -> (start, [k parts], [v parts])
+        self.cap: PromptCapture | None = None  # set once the capture exists (span reads its KV)
+        self.pending: dict[int, list] = {}  # layer -> [first unsent position, end seen, [(k, v)] of a sliding layer]
         self.futs: list = []
+        self.in_turn = False
 
     def __call__(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-        s0, ks, vs = self.pending.get(layer, (start, [], []))
-        ks.append(k)
-        vs.append(v)
-        n = start + k.shape[2] - s0
-        full = n if start + k.shape[2] == self.P else n - n % self.segment
-        if full:
-            K, V = torch.cat(ks, 2), torch.cat(vs, 2)  # k, v: [B, H_kv, n, D]
-            self.futs += send_layer(self.ch, self.rid, self.cfg, layer, K[:, :, :full], V[:, :, :full], s0,
-                                    self.segment, self.num_layers, self.plane)
-            ks, vs = ([K[:, :, full:]], [V[:, :, full:]]) if full < n else ([], [])
-        self.pending[layer] = (s0 + full, ks, vs)
+        p = self.pending.setdefault(layer, [start, start, []])
+        p[1] = start + k.shape[2]
+        if not self.cap.whole(layer):
+            p[2].append((k, v))
+        if not (self.in_turn and not self.ch.t.has_room()):
+            self._send(layer, wait=not self.in_turn)
+
+    def flush(self) -> None:
+        """Queue every pending layer's frames, waiting for room (outside a compute turn)."""
+        for layer in list(self.pending):
+            self._send(layer, wait=True)
+
+    def _send(self, layer: int, wait: bool) -> None:
+        s0, end, parts = self.pending[layer]
+        n = end - s0
+        full = n if end == self.P else n - n % self.segment
+        if not full:
+            return
+        if parts:  # k, v: [B, H_kv, n, D] from the kept passes
+            K, V = torch.cat([k for k, _ in parts], 2), torch.cat([v for _, v in parts], 2)
+            self.pending[layer] = [s0 + full, end, [(K[:, :, full:].clone(), V[:, :, full:].clone())]
+                                   if full < n else []]
+            K, V = K[:, :, :full], V[:, :, :full]
+        else:
+            K, V = self.cap.span(layer, s0, s0 + full)
+            self.pending[layer] = [s0 + full, end, []]
+        for off in range(0, full, self.segment):
+            if wait:
+                self.ch.t.wait_room(self.ch.t.send_timeout_s)
+            self.futs += send_layer(self.ch, self.rid, self.cfg, layer, K[:, :, off:off + self.segment],
+                                    V[:, :, off:off + self.segment], s0 + off, self.segment, self.num_layers,
+                                    self.plane)
 
 
 def max_prompt_tokens(model) -> int:
@@ -177,16 +208,8 @@ def held_claim(req: dict, ids: list[int], cfg: LynxQuantConfig, fp: str) -> tupl
     return held, None
 
 
-@torch.no_grad()
-def serve_request(model, ch: Channel, req: dict, rid: int, compute: ComputeQueue | None = None,
-                  chunk: int = PREFILL_CHUNK, prefix: PrefixCache | None = None, fp: str | None = None,
-                  plane=None) -> dict:
-    """Validate a REQUEST, announce the KV (PROMPT), prefill in chunks of `chunk` tokens while streaming, then
-    FIRST (logits) and END. `compute` orders the forward passes of all connections (its turn is held for one chunk);
-    the paced transfer runs on this connection's own sender. A continued turn (`held` > 0, its digest checked) ships
-    only positions [held, P); `prefix` (shared by every connection) supplies the longest cached prefix's KV, so only
-    the tokens past it are computed, and keeps what was computed. `plane`: the connection's NIXL plane (None: this
-    server has none), used when the REQUEST names an arena."""
+def _validate(model, req: dict) -> tuple[list[int], LynxQuantConfig]:
+    """A REQUEST's prompt and codec, checked before anything is allocated or computed."""
     ids = req.get("input_ids")
     limit = max_prompt_tokens(model)
     if not (isinstance(ids, list) and len(ids) > 0 and all(type(i) is int for i in ids)):
@@ -197,66 +220,153 @@ def serve_request(model, ch: Channel, req: dict, rid: int, compute: ComputeQueue
     if min(ids) < 0 or max(ids) >= vocab:
         raise WireError(f"token id out of range [0, {vocab})")
     try:
-        cfg = LynxQuantConfig.from_dict(req.get("quant_config") or {})
+        return ids, LynxQuantConfig.from_dict(req.get("quant_config") or {})
     except (ValueError, TypeError) as e:
         raise WireError(f"bad quant_config: {e}") from None
-    P = len(ids)
+
+
+class Slots:
+    """At most `n` requests hold a prompt's working set (its KV, once) at a time; a waiter's `poll()` runs every
+    `every` seconds (it may raise to give up its place)."""
+
+    def __init__(self, n: int):
+        self.n, self._sem = n, threading.BoundedSemaphore(n)
+
+    @contextlib.contextmanager
+    def hold(self, poll=None, every: float = PROGRESS_S):
+        while not self._sem.acquire(timeout=every):
+            if poll is not None:
+                poll()
+        try:
+            yield
+        finally:
+            self._sem.release()
+
+
+@torch.no_grad()
+def serve_request(model, ch: Channel, req: dict, rid: int, compute: ComputeQueue | None = None,
+                  chunk: int = PREFILL_CHUNK, prefix: PrefixCache | None = None, fp: str | None = None,
+                  plane=None, slots: Slots | None = None) -> dict:
+    """Validate a REQUEST, announce the KV (PROMPT), prefill in chunks of `chunk` tokens while streaming, then
+    FIRST (logits) and END. `compute` orders the forward passes of all connections (its turn is held for one chunk);
+    the paced transfer runs on this connection's own sender. A continued turn (`held` > 0, its digest checked) ships
+    only positions [held, P); `prefix` (shared by every connection) supplies the longest cached prefix's KV, so only
+    the tokens past it are computed, and keeps what was computed. `slots` bounds the requests that hold a working
+    set at once (they wait for a slot, hearing PROGRESS). `plane`: the connection's NIXL plane (None: this server has
+    none), used when the REQUEST names an arena."""
+    ids, cfg = _validate(model, req)
     held, refused = held_claim(req, ids, cfg, fp or fingerprint(model))
     if refused:
         log.warning("request %s: %s; shipping the whole prompt", rid, refused)
-    compute = compute or ComputeQueue()
-    t0 = time.perf_counter()
-    hit, past = prefix.lookup(ids, P - 1) if prefix is not None else (0, None)
-    prompt = {**kv_handshake(model, rid, P, cfg), "start": held, "refused": refused, "prefix_hit": hit}
-    dp = req.get("data_plane")
-    if dp is not None:
-        if plane is None:
-            raise WireError("this prefill server has no NIXL data plane (start it with --data-plane nixl)")
-        plane.begin(dp, rid, stream_bound(cfg, prompt, P, getattr(torch, prompt["dtype"]), held))
-        prompt["data_plane"] = "nixl"
-    ch.send_json(FrameType.PROMPT, prompt, rid)
-    seg = _Segmenter(ch, rid, cfg, P, len(prompt["windows"]), plane=plane if dp is not None else None)
-    keep = prefix is not None and prefix.budget > 0
-    cap = PromptCapture(model.config, seg, P, ship_from=held, keep=keep)
-    device = next(model.parameters()).device
-    for i, (k, v) in enumerate(past or []):  # the cached prefix: shipped where the decode side lacks it
-        cap.update(k.to(device), v.to(device), i)
-    if keep:
-        cap.kept = [[] for _ in cap.kept]
-    last = [time.monotonic()]
-
-    def poll():  # while this request waits for the compute: is its client still there, and tell it we are
-        _check_peer(ch, rid)
-        if time.monotonic() - last[0] >= PROGRESS_S:
-            last[0] = time.monotonic()
-            ch.send_json(FrameType.PROGRESS, {"prefilled": lo, "of": P, "queued": compute.waiting}, rid, wait=False)
-
-    compute_s, dropped = 0.0, None
+    r = _Prefill(model, ch, rid, ids, cfg, compute or ComputeQueue(), chunk, prefix)
+    dropped = None
     try:
-        for lo in range(hit, P, chunk):
-            with compute.turn(P - lo, poll, PROGRESS_S):
-                t = time.perf_counter()
-                out = model(input_ids=torch.tensor([ids[lo:lo + chunk]], device=device), cache=cap, use_cache=True,
-                            logits_to_keep=1)
-                compute_s += time.perf_counter() - t
-            _check_peer(ch, rid)
-        prefill_s = time.perf_counter() - t0
-        seg.futs.append(ch.send_binary(FrameType.FIRST, Stream.CONTROL, rid, pack_logits(out.logits[:, -1]),
-                                       PRIO_ANCHOR))
-        if keep:  # what was computed, for the next turn (or another client's copy of this prefix)
-            prefix.insert(ids, hit, [(torch.cat([k for k, _ in parts], 2), torch.cat([v for _, v in parts], 2))
-                                     for parts in cap.kept])
+        with (slots or Slots(1)).hold(r.poll, PROGRESS_S):
+            seg = r.run(req, held, refused, plane)
         dropped = _await_sent(ch, rid, seg.futs)
     except Cancelled:
-        prefill_s, dropped = time.perf_counter() - t0, ch.t.drop(rid)
+        dropped = ch.t.drop(rid)
+    finally:
+        release_memory()
+    prefill_s = r.prefill_s or time.perf_counter() - r.t0
     end = ch.send_json(FrameType.END, {"anchor_frames": ch.out_seq[Stream.ANCHOR],
                                        "residual_frames": ch.out_seq[Stream.RESIDUAL], "prefill_s": prefill_s,
                                        "cancelled": dropped is not None, "dropped": dropped or 0},
                        rid, PRIO_END, wait=False)
     end.result(ch.t.send_timeout_s + 5)
-    return {"prompt_len": P, "held": held, "prefix_hit": hit, "computed": P - hit, "refused": refused,
-            "prefill_s": prefill_s, "compute_s": compute_s, "sent_s": time.perf_counter() - t0,
-            "dropped_frames": dropped}
+    return {"prompt_len": len(ids), "held": held, "prefix_hit": r.hit, "computed": len(ids) - r.hit,
+            "refused": refused, "prefill_s": prefill_s, "compute_s": r.compute_s,
+            "sent_s": time.perf_counter() - r.t0, "dropped_frames": dropped}
+
+
+class _Prefill:
+    """One request's working set, inside its slot: PROMPT, the cached prefix's KV and the computed rest through one
+    capture (every frame queued as room allows), FIRST, and what was computed into the prefix cache. Nothing of the
+    prompt's KV outlives `run`."""
+
+    def __init__(self, model, ch: Channel, rid: int, ids: list[int], cfg: LynxQuantConfig, compute: ComputeQueue,
+                 chunk: int, prefix: PrefixCache | None):
+        self.model, self.ch, self.rid, self.ids, self.cfg = model, ch, rid, ids, cfg
+        self.compute, self.chunk, self.prefix = compute, chunk, prefix
+        self.t0, self.said = time.perf_counter(), time.monotonic()
+        self.hit, self.lo, self.compute_s, self.prefill_s = 0, 0, 0.0, None
+
+    def poll(self) -> None:
+        """While the request waits (a slot, the compute): is its client still there, and tell it we are."""
+        _check_peer(self.ch, self.rid)
+        if time.monotonic() - self.said >= PROGRESS_S:
+            self.said = time.monotonic()
+            self.ch.send_json(FrameType.PROGRESS, {"prefilled": self.lo, "of": len(self.ids),
+                                                   "queued": self.compute.waiting}, self.rid, wait=False)
+
+    def run(self, req: dict, held: int, refused: str | None, plane) -> _Segmenter:
+        P, ch, rid, cfg = len(self.ids), self.ch, self.rid, self.cfg
+        self.hit, blocks = self.prefix.lookup(self.ids, P - 1) if self.prefix is not None else (0, [])
+        prompt = {**kv_handshake(self.model, rid, P, cfg), "start": held, "refused": refused, "prefix_hit": self.hit}
+        dp = req.get("data_plane")
+        if dp is not None:
+            if plane is None:
+                raise WireError("this prefill server has no NIXL data plane (start it with --data-plane nixl)")
+            plane.begin(dp, rid, stream_bound(cfg, prompt, P, getattr(torch, prompt["dtype"]), held))
+            prompt["data_plane"] = "nixl"
+        ch.send_json(FrameType.PROMPT, prompt, rid)
+        seg = _Segmenter(ch, rid, cfg, P, len(prompt["windows"]), plane=plane if dp is not None else None)
+        keep = self.prefix is not None and self.prefix.budget > 0
+        cap = seg.cap = PromptCapture(self.model.config, seg, P, ship_from=held, keep=keep)
+        try:
+            device = next(self.model.parameters()).device
+            for i in range(len(blocks[0]) if blocks else 0):  # the cached prefix, a layer at a time
+                cap.update(*(x.to(device) for x in layer_kv(blocks, i)), i)
+            del blocks  # no reference to the cache's entries from here on
+            cap.forget_kept()
+            logits = self._forward(cap, seg, device)
+            seg.futs.append(ch.send_binary(FrameType.FIRST, Stream.CONTROL, rid, pack_logits(logits), PRIO_ANCHOR))
+            if keep:  # what was computed, for the next turn (or another client's copy): one copy, per block
+                self.prefix.insert(self.ids, self.hit, [cap.kept_kv(i, self.hit) for i in range(len(cap.held))])
+        finally:
+            seg.cap = None  # the capture (the prompt's KV) and the segmenter refer to each other: freed now, not by gc
+        return seg
+
+    def _forward(self, cap: PromptCapture, seg: _Segmenter, device) -> torch.Tensor:
+        """The positions past the prefix hit, `chunk` tokens a compute turn; the last position's logits [1, V]."""
+        P, out = len(self.ids), None
+        for lo in range(self.hit, P, self.chunk):
+            self.lo = lo
+            with self.compute.turn(P - lo, self.poll, PROGRESS_S):
+                t, seg.in_turn = time.perf_counter(), True
+                try:
+                    out = self.model(input_ids=torch.tensor([self.ids[lo:lo + self.chunk]], device=device), cache=cap,
+                                     use_cache=True, logits_to_keep=1)
+                finally:
+                    seg.in_turn = False
+                self.compute_s += time.perf_counter() - t
+            _check_peer(self.ch, self.rid)
+            seg.flush()  # what found no room during the turn, as the peer reads
+        self.prefill_s = time.perf_counter() - self.t0
+        return out.logits[:, -1]
+
+
+def release_memory(collect: bool = False) -> None:
+    """Give freed heap back to the system after a request (glibc keeps large freed blocks for reuse otherwise, so
+    an idle server would stay at its peak); `collect`: first free what reference cycles still hold (a failed
+    request's traceback and its frames' tensors). The trim is a no-op off glibc."""
+    if collect:
+        gc.collect()
+    if _LIBC is not None:
+        with _TRIM:
+            _LIBC.malloc_trim(0)
+
+
+def _libc():
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        lib.malloc_trim.argtypes = [ctypes.c_size_t]
+        return lib
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC, _TRIM = _libc(), threading.Lock()
 
 
 def _check_peer(ch: Channel, rid: int) -> None:
@@ -288,10 +398,11 @@ def _await_sent(ch: Channel, rid: int, futs: list, poll_s: float = 0.05) -> int 
 
 def serve_channel(model, ch: Channel, compute: ComputeQueue | None = None, peer: str = "peer",
                   idle_timeout_s: float = 300.0, chunk: int = PREFILL_CHUNK, prefix: PrefixCache | None = None,
-                  fp: str | None = None, plane=None) -> None:
+                  fp: str | None = None, plane=None, slots: Slots | None = None) -> None:
     """An authenticated connection's requests on the prefill side, over any transport, until the peer closes or
     stays silent for `idle_timeout_s` (`peer`: how the log names it, already quoted); `plane`: the connection's NIXL
-    plane, if the server has one. Wire and connection errors propagate to the caller."""
+    plane, if the server has one; `slots`: the server's working-set slots. Wire and connection errors propagate to
+    the caller."""
     last = 0
     compute = compute or ComputeQueue()
     fp = fp or fingerprint(model)  # a continued turn's digest names the model
@@ -305,6 +416,6 @@ def serve_channel(model, ch: Channel, compute: ComputeQueue | None = None, peer:
         if f.type != FrameType.REQUEST:
             raise WireError(f"expected REQUEST, got {f.type.name}")
         last = f.request_id
-        info = serve_request(model, ch, f.json(), f.request_id, compute, chunk, prefix, fp, plane)
+        info = serve_request(model, ch, f.json(), f.request_id, compute, chunk, prefix, fp, plane, slots)
         log.info("request %s from %s: %s%s", f.request_id, peer, info,
                  f"; prefix cache {prefix.stats()}" if prefix is not None and prefix.budget else "")

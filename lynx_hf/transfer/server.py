@@ -11,7 +11,11 @@ Contract (docs/wire-format.md, "Threat model"):
   fails its sends after `send_timeout_s`, and its slot, thread and memory are freed.
 - Peer input never reaches the log unquoted; nothing a peer sends is logged at traceback level.
 - `accept()` failing (EMFILE, ENFILE, ENOBUFS) is logged and retried with back-off; the loop ends only on close().
-- The prefix cache (`prefix_cache_mb`, full-precision KV by chained chunk hash) is shared by every authenticated
+- Memory (docs/wire-format.md, "Memory"): every byte held is under a named bound, logged at start
+  (`memory_bounds`): the model, the prefix cache, `max_concurrent_prefills` working sets (a prompt's KV each), one
+  forward pass at a time, and per connection `max_inflight_mb` of queued frames (a client that does not read
+  stalls its own request there). Freed heap goes back to the system after each request (`release_memory`).
+- The prefix cache (`prefix_cache_mb`, full-precision KV by chained block hash) is shared by every authenticated
   connection: one secret is one tenant; a hit costs a peer nothing it does not know, but its timing says whether a
   prefix was prefilled before (lynx_hf.transfer.prefix_cache)."""
 from __future__ import annotations
@@ -24,11 +28,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..arch import fingerprint
+import torch
+
+from ..arch import fingerprint, kv_geometry
 from ..errors import ConfigError
+from ..flags import MAX_CONCURRENT_PREFILLS, MAX_INFLIGHT_MB, MAX_TIMEOUT_S, PREFIX_CACHE_MB, machine_mb
 from ..link import Nic
 from ..engine.warm import warm_up
-from .prefill import PREFILL_CHUNK, ComputeQueue, serve_channel
+from .prefill import PREFILL_CHUNK, ComputeQueue, Slots, release_memory, serve_channel
 from . import nixl
 from .prefix_cache import PrefixCache
 from .session import Channel, HandshakeRefused, PeerError, quote_peer, resolve_secret, server_handshake
@@ -36,7 +43,39 @@ from .transport import TcpTransport, TlsTcpTransport
 from .wire import FrameType, WireError
 
 log = logging.getLogger("lynx_hf.prefill")
-PREFIX_CACHE_MB = 512.0  # the prefix cache's default budget (full-precision KV; SmolLM2-135M in fp32: 46 KB a token)
+
+
+def memory_bounds(model, prefix_cache_mb: float, max_inflight_mb: float, max_connections: int, slots: int,
+                  prefill_chunk: int) -> dict:
+    """What the prefill server may hold, in bytes, by named bound (docs/wire-format.md, "Memory"): the model; the
+    prefix cache; `slots` working sets, each a prompt's KV at most twice (the capture's copy, and the cache entries it
+    reads if another request evicts them meanwhile); one forward pass's activations at a time (the compute queue),
+    dominated at `prefill_chunk` tokens against a full context by one layer's attention scores and probabilities;
+    per connection, its in-flight frames plus one layer's frames of one forward pass (queued inside a compute turn,
+    which never waits). Not counted: each connection's fixed cost (threads, buffers: ~1 MB)."""
+    from .prefill import max_prompt_tokens
+
+    g, c = kv_geometry(model), model.config.get_text_config()
+    size = torch.empty((), dtype=getattr(torch, g["dtype"])).element_size()
+    per_layer = 2 * g["kv_heads"] * g["head_dim"] * size  # bytes a token, one layer (K and V)
+    per_token = per_layer * g["num_layers"]
+    context = max_prompt_tokens(model)
+    heads, inter = getattr(c, "num_attention_heads", g["kv_heads"]), getattr(c, "intermediate_size", 0) or 0
+    b = {"model": sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())),
+         "prefix_cache": int(prefix_cache_mb * (1 << 20)),
+         "working_sets": slots * 2 * context * per_token,
+         "compute": prefill_chunk * (2 * context * heads + 3 * inter) * size + prefill_chunk * per_token,
+         "inflight": max_connections * (int(max_inflight_mb * (1 << 20)) + prefill_chunk * per_layer)}
+    return {**b, "total": sum(b.values()), "kv_bytes_per_token": per_token, "context": context}
+
+
+def describe_bounds(b: dict, slots: int, max_connections: int, max_inflight_mb: float) -> str:
+    mb = lambda x: f"{x / (1 << 20):,.0f} MB"
+    return (f"memory bounds: model {mb(b['model'])} + prefix cache {mb(b['prefix_cache'])} + working sets {slots} x "
+            f"2 x {b['context']} tokens x {b['kv_bytes_per_token'] / 1024:.0f} KB = {mb(b['working_sets'])} + one "
+            f"forward pass {mb(b['compute'])} + in-flight frames {max_connections} connections x "
+            f"({max_inflight_mb:g} MB + one layer's frames of a forward pass) = {mb(b['inflight'])}; total "
+            f"{mb(b['total'])} (plus ~1 MB a connection)")
 
 
 @dataclass(eq=False)
@@ -91,15 +130,22 @@ class PrefillServer:
                  tls_key: str | None = None, max_preauth: int = 128, max_preauth_per_host: int = 96,
                  idle_timeout_s: float = 300.0, send_timeout_s: float = 30.0, prefill_chunk: int = PREFILL_CHUNK,
                  prefix_cache_mb: float = PREFIX_CACHE_MB, listen_socket: socket.socket | None = None,
-                 data_plane: str = "tcp"):
+                 data_plane: str = "tcp", max_inflight_mb: float = MAX_INFLIGHT_MB,
+                 max_concurrent_prefills: int = MAX_CONCURRENT_PREFILLS):
         _positive("bandwidth_bps", bandwidth_bps, allow_none=True)
         _positive("latency_s", latency_s, allow_zero=True)
-        _positive("prefix_cache_mb", prefix_cache_mb, allow_zero=True)
+        for name, x in (("prefix_cache_mb", prefix_cache_mb), ("max_inflight_mb", max_inflight_mb)):
+            _positive(name, x, allow_zero=name == "prefix_cache_mb")
+            if x > machine_mb():
+                raise ConfigError(f"{name} must be at most this machine's memory ({machine_mb():,.0f} MB), got {x!r}")
         for name, x in (("handshake_timeout", handshake_timeout), ("idle_timeout_s", idle_timeout_s),
                         ("send_timeout_s", send_timeout_s)):
             _positive(name, x)
+            if x > MAX_TIMEOUT_S:
+                raise ConfigError(f"{name} must be at most {MAX_TIMEOUT_S:g} s (one day), got {x!r}")
         for name, x in (("max_connections", max_connections), ("max_preauth", max_preauth),
-                        ("max_preauth_per_host", max_preauth_per_host), ("prefill_chunk", prefill_chunk)):
+                        ("max_preauth_per_host", max_preauth_per_host), ("prefill_chunk", prefill_chunk),
+                        ("max_concurrent_prefills", max_concurrent_prefills)):
             if not (isinstance(x, int) and not isinstance(x, bool) and x >= 1):
                 raise ConfigError(f"{name} must be an int >= 1, got {x!r}")
         nixl.check_plane(data_plane)
@@ -129,6 +175,14 @@ class PrefillServer:
         self.nic = Nic(bandwidth_bps, latency_s)  # one link for every connection, shared by deficit round-robin
         self.prefix = PrefixCache(int(prefix_cache_mb * (1 << 20)),
                                   f"{self.fp}|{next(model.parameters()).dtype}")  # shared by every connection
+        self.slots = Slots(max_concurrent_prefills)  # requests holding a working set at once
+        self.max_inflight = int(max_inflight_mb * (1 << 20))
+        self.bounds = memory_bounds(model, prefix_cache_mb, max_inflight_mb, max_connections, max_concurrent_prefills,
+                                    prefill_chunk)
+        log.info(describe_bounds(self.bounds, max_concurrent_prefills, max_connections, max_inflight_mb))
+        if self.bounds["total"] > machine_mb() * (1 << 20):
+            log.warning("these bounds add up to more than this machine's memory (%.0f MB): lower --max-connections, "
+                        "--max-inflight-mb, --max-concurrent-prefills or --prefix-cache-mb", machine_mb())
         self._stop = threading.Event()
         self._lock = threading.Lock()  # the two budgets below
         self._conns = 0
@@ -142,8 +196,9 @@ class PrefillServer:
 
     @property
     def preauth(self) -> int:
-        """Connections that have not (yet) proven the secret."""
-        return len(self._pending)
+        """Connections that have not (yet) proven the secret (not counting those evicted, whose threads are ending)."""
+        with self._lock:
+            return sum(not p.evicted for p in self._pending)
 
     def serve_forever(self) -> None:
         self.sock.settimeout(0.5)
@@ -204,6 +259,7 @@ class PrefillServer:
             t = TcpTransport(conn, link, self.send_timeout_s) if self.tls is None else \
                 TlsTcpTransport(conn, self.tls, server_side=True, link=link, timeout=self.hs_timeout,
                                 send_timeout_s=self.send_timeout_s)
+            t.bound_inflight(self.max_inflight)  # a client that does not read stalls its own request, no queue grows
             ch = Channel(t)
             server_handshake(ch, self.secret, self.fp, max(0.01, pend.since + self.hs_timeout - time.monotonic()),
                              on_hello=lambda: setattr(pend, "spoke", True))
@@ -218,7 +274,7 @@ class PrefillServer:
             plane = nixl.PrefillPlane(self.send_timeout_s) if self.nixl else None
             try:
                 serve_channel(self.model, ch, self.compute, peer, self.idle_timeout_s, self.chunk, self.prefix, self.fp,
-                              plane)
+                              plane, self.slots)
             finally:
                 if plane is not None:
                     plane.close()
@@ -247,6 +303,8 @@ class PrefillServer:
                 pend.sock.close()
             if link is not None:
                 link.close()  # (a TLS handshake that failed left no sender to close it)
+            if authed:
+                release_memory(collect=True)  # what a failed request's traceback held goes back to the system
 
     def close(self) -> None:
         self._stop.set()

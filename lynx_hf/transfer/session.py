@@ -182,7 +182,12 @@ def server_handshake(ch: Channel, secret: bytes, fp: str, timeout: float = 10.0,
     ns = secrets.token_hex(16)
     ch.send_json(FrameType.HELLO, {"role": "prefill", "nonce": ns})
     try:
-        hello = ch.recv(left(), FrameType.HELLO, MAX_HANDSHAKE).json()
+        f = ch.recv(left(), None, MAX_HANDSHAKE)
+        if f.type == FrameType.PROBE:  # a client's first bytes, sent before it heard our HELLO
+            f = ch.recv(left(), None, MAX_HANDSHAKE)
+        if f.type != FrameType.HELLO:
+            raise WireError(f"expected HELLO, got {f.type.name}")
+        hello = f.json()
         if on_hello is not None:
             on_hello()
         nc = _nonce(hello)
@@ -208,9 +213,16 @@ def server_handshake(ch: Channel, secret: bytes, fp: str, timeout: float = 10.0,
 def client_handshake(ch: Channel, secret: bytes, fp: str, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     left = lambda: max(0.0, deadline - time.monotonic())
-    ns = _nonce(ch.recv(left(), FrameType.HELLO, MAX_HANDSHAKE).json())
+    ch.send_json(FrameType.PROBE, {}, wait=False)  # first: a TLS port fails on these bytes at once (we hear it close)
+    try:
+        first = ch.recv(left(), FrameType.HELLO, MAX_HANDSHAKE).json()
+    except PeerClosed:
+        raise WireError("the prefill server closed the connection before its HELLO: if it speaks TLS, connect with "
+                        "tls=True or tls_ca=... (serve-decode --tls or --tls-ca)") from None
+    ns = _nonce(first)
     nc = secrets.token_hex(16)
-    ch.send_json(FrameType.HELLO, {"role": "decode", "nonce": nc, "mac": _mac(secret, "client", ns, nc)})
+    ch.send_json(FrameType.HELLO, {"role": "decode", "nonce": nc, "mac": _mac(secret, "client", ns, nc)},
+                 wait=False)  # a failed send shows in the answer (or its absence): the server's verdict comes first
     ch.authenticate(secret, ns, nc, "decode")
     try:
         ok = ch.recv(left(), FrameType.OK, MAX_HANDSHAKE).json()

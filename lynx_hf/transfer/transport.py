@@ -6,6 +6,9 @@
                                              `bulk` (a data plane's bytes, e.g. NIXL's) is posted just before
                                              its frame, paced with it
     drop(tag) -> int                         cancel the frames of `tag` still queued (not yet on the wire)
+    bound_inflight(nbytes); has_room();      the bytes queued and not yet written (`inflight`) stay under a bound
+    wait_room(timeout)                       its senders keep to: a peer that does not read stalls its own
+                                             sender, never grows the queue
     readable(timeout) -> bool                a frame (or the end of the stream) is waiting to be received
     wait_send(future, timeout)               until that frame is on the wire
     recv(timeout, limit) -> Frame            next frame within `timeout` seconds in all (checked: header, length
@@ -31,9 +34,11 @@ from concurrent.futures import Future
 import torch
 
 from ..link import LinkEmulator, NicPort
-from .wire import HEADER, MAX_PAYLOAD, PeerClosed, WireError, parse_frame, read_frame
+from .wire import HEADER, MAGIC, MAX_PAYLOAD, FrameType, PeerClosed, WireError, json_frame, parse_frame, read_frame
 
 PRIO_ANCHOR, PRIO_RESIDUAL, PRIO_END = 0, 1, 2
+PLAIN_TO_TLS = ("the prefill server speaks TLS: connect with tls=True or tls_ca=... (serve-decode --tls or "
+                "--tls-ca)")
 DSCP = {PRIO_ANCHOR: 46 << 2, PRIO_RESIDUAL: 10 << 2, PRIO_END: 10 << 2}  # EF for the anchor, AF11 for the rest
 
 
@@ -51,6 +56,9 @@ class Transport:
         self._error: BaseException | None = None
         self._closed = threading.Event()
         self._wire: queue.Queue = queue.Queue()  # frames on the (emulated) wire, in order, with their delivery time
+        self.max_inflight: int | None = None  # bound_inflight
+        self.inflight = 0  # bytes of frames (and their bulk) queued and not yet written, failed or dropped
+        self._room = threading.Condition()
         self._feeder = threading.Thread(target=self._feed_loop, name="lynx-feeder", daemon=True)
         self._sender = threading.Thread(target=self._send_loop, name="lynx-sender", daemon=True)
         self._feeder.start()
@@ -66,8 +74,43 @@ class Transport:
             elif self._closed.is_set():
                 fut.set_exception(ConnectionError("transport closed"))
             else:
+                n = len(frame) + (bulk.nbytes if bulk is not None else 0)
+                with self._room:
+                    self.inflight += n
                 self._q.put((priority, next(self._n), frame, fut, tag, bulk, self.link.nic.clock()))
+                fut.add_done_callback(lambda _f, n=n: self._written(n))
         return fut
+
+    def _written(self, n: int) -> None:
+        with self._room:
+            self.inflight -= n
+            self._room.notify_all()
+
+    def bound_inflight(self, nbytes: int | None) -> None:
+        """The bytes queued on this connection that `has_room` / `wait_room` keep under (None: no bound)."""
+        self.max_inflight = nbytes
+
+    def has_room(self) -> bool:
+        """Whether another frame may be queued now without passing the in-flight bound (always, without one)."""
+        return self.max_inflight is None or self.inflight < self.max_inflight
+
+    def wait_room(self, timeout: float) -> None:
+        """Until `has_room()`. TimeoutError if the peer has read nothing for `timeout` seconds (the wait restarts
+        whenever a frame leaves); ConnectionError if the transport failed or closed meanwhile."""
+        if self.max_inflight is None:
+            return
+        with self._room:
+            deadline, last = time.monotonic() + timeout, self.inflight
+            while self.inflight >= self.max_inflight:
+                if self._error is not None or self._closed.is_set():
+                    raise ConnectionError(f"the connection failed while its frames waited: {self._error or 'closed'}")
+                if self.inflight < last:
+                    deadline, last = time.monotonic() + timeout, self.inflight
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"the peer read nothing for {timeout:.3g} s ({self.inflight} bytes queued for "
+                                       f"it, the bound is {self.max_inflight})")
+                self._room.wait(min(left, 0.5))
 
     def drop(self, tag) -> int:
         """Cancel every queued frame carrying `tag` (their futures end cancelled); returns how many."""
@@ -282,10 +325,19 @@ class TlsTcpTransport(TcpTransport):
                     raw = sock.recv(1 << 16)
                     if not raw:
                         raise ConnectionError("the peer closed the connection during the TLS handshake")
+                    if raw.startswith(MAGIC):  # plain Lynx frames where a TLS record should be
+                        if server_side:  # told in its own language (a peer that spoke plain Lynx learns no more)
+                            sock.sendall(json_frame(FrameType.ERROR, 0, 0, {"error": PLAIN_TO_TLS}))
+                            raise WireError("the client speaks plain TCP, not TLS")
+                        raise WireError("the prefill server speaks plain TCP, not TLS: connect without tls / tls_ca "
+                                        "(serve-decode without --tls / --tls-ca), or start it with --tls-cert")
                     self._pull(raw)
         except (ssl.SSLError, OSError) as e:
             sock.close()
             raise ConnectionError(f"TLS handshake failed: {e}") from None
+        except WireError:
+            sock.close()
+            raise
         super().__init__(sock, link, send_timeout_s)
 
     def _flush(self) -> None:

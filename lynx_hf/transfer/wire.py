@@ -53,6 +53,8 @@ class FrameType(enum.IntEnum):
     PROGRESS = 10  # JSON {prefilled, of, queued}: the request waits for the prefill's compute (keeps its client's clock)
     PLACED = 11   # binary (offset u64, length u64, SHA-256): a segment's bytes, placed in the decode side's arena by a
     #               data plane (NIXL); counted on its stream like the SEGMENT frame it stands for
+    PROBE = 12    # JSON {}: a decode client's first frame, before the server's HELLO: a TLS port fails its handshake on
+    #               it at once (the client hears the close, not a deadline); a plain server skips it
 
 
 class Stream(enum.IntEnum):

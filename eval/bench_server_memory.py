@@ -1,0 +1,162 @@
+"""`lynx-hf bench server-memory`: what a `serve-prefill` process holds, measured against the bounds it declares.
+
+A serve-prefill child (the embedded model) with a small prefix cache, a per-connection in-flight bound and
+`slots` working-set slots; its VmRSS is read from /proc (sampled every 0.1 s for the peak):
+  1. after warm-up (one short request): the baseline;
+  2. one `tokens`-token miss from a well-behaved client;
+  3. `stalled` raw clients that authenticate, send the same prompt and never read a frame, while another
+     well-behaved client sends it too (its tokens must equal the miss's);
+  4. idle, once the raw clients have gone.
+The bound it checks: baseline + prefix cache + stalled x (in-flight bound + one layer's frames of a forward pass) +
+slots x 2 x context x KV bytes a token + one forward pass's activations (lynx_hf.transfer.server.memory_bounds),
+plus a stated slack for the allocator and the per-connection threads; idle after, within the slack of baseline +
+prefix cache. Prints the numbers and a final JSON line."""
+from __future__ import annotations
+
+import json
+import secrets
+import sys
+import threading
+import time
+from pathlib import Path
+
+SLACK_MB = 200.0  # allocator fragmentation, thread stacks, socket buffers: what no flag bounds
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+class Peak:
+    """The highest VmRSS of `pid` since the last `reset()`, sampled every 0.1 s by a thread."""
+
+    def __init__(self, pid: int):
+        self.pid, self.value, self._stop = pid, 0.0, threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        while not self._stop.wait(0.1):
+            try:
+                self.value = max(self.value, rss_mb(self.pid))
+            except (OSError, RuntimeError):
+                return
+
+    def reset(self) -> float:
+        v, self.value = self.value, 0.0
+        return v
+
+    def close(self):
+        self._stop.set()
+
+
+def stalled_client(port: int, secret: str, fp: str, ids: list[int], cfg: dict):
+    """An authenticated connection that sends one REQUEST and never reads (its frames fill the socket buffers,
+    then wait in the server's queue up to its in-flight bound)."""
+    from lynx_hf.transfer.session import Channel, client_handshake, resolve_secret
+    from lynx_hf.transfer.transport import TcpTransport
+    from lynx_hf.transfer.wire import FrameType
+
+    ch = Channel(TcpTransport.connect("127.0.0.1", port, 30))
+    client_handshake(ch, resolve_secret(secret), fp)
+    ch.send_json(FrameType.REQUEST, {"input_ids": ids, "quant_config": cfg}, 1)
+    return ch
+
+
+def run(tokens: int = 6000, stalled: int = 4, prefix_cache_mb: float = 64, max_inflight_mb: float = 8,
+        slots: int = 2, send_timeout_s: float = 10, new_tokens: int = 8, model_name: str | None = None,
+        as_json: bool = False) -> dict:
+    import lynx_hf
+    from lynx_hf import LynxQuantConfig
+    from lynx_hf.arch import fingerprint
+    from lynx_hf.eval.demo import _free_port, _start_server, default_prompt_text
+    from lynx_hf.transfer.decode import DecodeClient
+    from lynx_hf.transfer.server import memory_bounds
+
+    say = (lambda *a: None) if as_json else print
+    model, tok = lynx_hf.load_default_model(model_name)
+    ids = tok(default_prompt_text()).input_ids[:tokens]
+    secret, port = secrets.token_hex(16), _free_port()
+    args = ("--prefix-cache-mb", str(prefix_cache_mb), "--max-inflight-mb", str(max_inflight_mb),
+            "--max-concurrent-prefills", str(slots), "--send-timeout", str(send_timeout_s))
+    proc = _start_server(port, None, secret, model_name, args)
+    b = memory_bounds(model, prefix_cache_mb, max_inflight_mb, stalled, slots, 1024)  # `stalled` connections
+    mb = lambda x: x / (1 << 20)
+    out = {"tokens": len(ids), "stalled": stalled, "prefix_cache_mb": prefix_cache_mb,
+           "max_inflight_mb": max_inflight_mb, "slots": slots, "slack_mb": SLACK_MB,
+           "bound_prefix_cache_mb": mb(b["prefix_cache"]), "bound_inflight_mb": mb(b["inflight"]),
+           "bound_working_sets_mb": mb(b["working_sets"])}
+    peak = Peak(proc.pid)
+    try:
+        connect = lambda: DecodeClient(model, "127.0.0.1", port, secret=secret, timeout_s=600)
+        cli = connect()
+        cli.generate(ids[:64], LynxQuantConfig(), max_new_tokens=2)
+        time.sleep(1.0)
+        out["rss_baseline_mb"] = base = rss_mb(proc.pid)
+        peak.reset()
+        say(f"after warm-up: {base:,.0f} MB; one {len(ids)}-token miss ...")
+        ref = cli.generate(ids, LynxQuantConfig(), max_new_tokens=new_tokens)["tokens"]
+        time.sleep(1.0)
+        out["rss_after_miss_mb"], out["peak_miss_mb"] = rss_mb(proc.pid), peak.reset()
+        say(f"after the miss: {out['rss_after_miss_mb']:,.0f} MB (peak {out['peak_miss_mb']:,.0f}); "
+            f"{stalled} clients that never read, and a well-behaved one ...")
+        fp = fingerprint(model)
+        raw = [stalled_client(port, secret, fp, ids, LynxQuantConfig().to_dict()) for _ in range(stalled)]
+        t0 = time.monotonic()
+        good = connect().generate(ids, LynxQuantConfig(), max_new_tokens=new_tokens)
+        out["served_meanwhile_s"], out["served_meanwhile_identical"] = time.monotonic() - t0, good["tokens"] == ref
+        out["rss_stalled_mb"] = rss_mb(proc.pid)
+        for ch in raw:
+            ch.close()
+        time.sleep(send_timeout_s + 5)  # every stalled request ends (its client gone) and the heap is trimmed
+        out["peak_stalled_mb"], out["rss_idle_mb"] = peak.reset(), rss_mb(proc.pid)
+    except BaseException:
+        proc.log.seek(0)
+        print(f"serve-prefill's log:\n{proc.log.read()[-3000:]}", file=sys.stderr)
+        raise
+    finally:
+        peak.close()
+        proc.terminate()
+        proc.wait(10)
+    out["bound_compute_mb"] = mb(b["compute"])
+    out["bound_mb"] = base + mb(b["prefix_cache"] + b["inflight"] + b["working_sets"] + b["compute"]) + SLACK_MB
+    out["idle_bound_mb"] = base + mb(b["prefix_cache"]) + SLACK_MB
+    out["within_bound"] = max(out["peak_miss_mb"], out["peak_stalled_mb"]) <= out["bound_mb"]
+    out["idle_within_slack"] = out["rss_idle_mb"] <= out["idle_bound_mb"]
+    say(f"with {stalled} stalled clients: peak {out['peak_stalled_mb']:,.0f} MB (bound {out['bound_mb']:,.0f} = "
+        f"baseline + prefix cache {prefix_cache_mb:g} + in-flight {mb(b['inflight']):,.0f} + working sets "
+        f"{mb(b['working_sets']):,.0f} + one forward pass {mb(b['compute']):,.0f} + slack {SLACK_MB:g}); a "
+        f"well-behaved client served in "
+        f"{out['served_meanwhile_s']:.1f} s, identical: {out['served_meanwhile_identical']}")
+    say(f"idle after: {out['rss_idle_mb']:,.0f} MB (bound {out['idle_bound_mb']:,.0f} = baseline + prefix cache + "
+        f"slack)")
+    print(json.dumps(out))
+    return out
+
+
+def main(argv=None) -> None:
+    """`python -m lynx_hf.eval.bench_server_memory [--tokens 6000 ...]`: the same with other settings (e.g. the
+    server's defaults: --tokens 8000 --prefix-cache-mb 512 --max-inflight-mb 128 --slots 4)."""
+    import argparse
+
+    from lynx_hf.flags import count, megabytes, seconds, tokens
+
+    ap = argparse.ArgumentParser(prog="python -m lynx_hf.eval.bench_server_memory", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=tokens(), default=6000, help="the prompt (default 6000)")
+    ap.add_argument("--stalled", type=count(64), default=4, help="clients that never read (default 4)")
+    ap.add_argument("--prefix-cache-mb", type=megabytes("off"), default=64.0)
+    ap.add_argument("--max-inflight-mb", type=megabytes(), default=8.0)
+    ap.add_argument("--slots", type=count(1024), default=2, help="--max-concurrent-prefills (default 2)")
+    ap.add_argument("--send-timeout", type=seconds(), default=10.0)
+    ap.add_argument("--model")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    run(a.tokens, a.stalled, a.prefix_cache_mb, a.max_inflight_mb, a.slots, a.send_timeout, model_name=a.model,
+        as_json=a.json)
+
+
+if __name__ == "__main__":
+    main()

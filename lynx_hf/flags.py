@@ -1,0 +1,72 @@
+"""`number`: the one validator of every numeric command-line flag (argparse `type=`): finite, inside a stated range,
+checked when the arguments are parsed — before any model loads — and refused in one line naming the flag."""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+MAX_TIMEOUT_S = 86400.0  # one day: a longer timeout is a typo (and 1e308 overflows the system's clocks)
+MAX_MBPS = 1e7           # 10 Tbit/s
+MAX_TOKENS = 1 << 20
+
+# the prefill server's defaults (PrefillServer and serve-prefill --help state them; here so --help needs no torch)
+PREFIX_CACHE_MB = 512.0      # full-precision KV kept for later turns (SmolLM2-135M in fp32: 46 KB a token)
+MAX_INFLIGHT_MB = 128.0      # a connection's frames queued and not yet read
+MAX_CONCURRENT_PREFILLS = 4  # requests holding a prompt's working set at once
+
+
+def machine_mb() -> float:
+    """This machine's memory in MB (1 PiB where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 20)
+    except (ValueError, OSError, AttributeError):
+        return float(1 << 30)
+
+
+class number:
+    """argparse type: an int (`integer`) or a float in [lo, hi] (`lo_open`: (lo, hi]); `zero` also admits 0 where
+    it has a meaning of its own (e.g. "off")."""
+
+    def __init__(self, lo: float, hi: float, *, integer: bool = False, lo_open: bool = False, zero: bool = False,
+                 meaning: str = ""):
+        self.lo, self.hi, self.integer, self.lo_open, self.zero = lo, hi, integer, lo_open, zero
+        self.__name__ = "int" if integer else "number"  # argparse's word for a value it cannot parse
+        self.range = (f"{'(' if lo_open else '['}{lo:g}, {hi:g}]" + (" or 0" if zero else "")
+                      + (f" ({meaning})" if meaning else ""))
+
+    def ok(self, x: float) -> bool:
+        if self.zero and x == 0:
+            return True
+        return math.isfinite(x) and (x > self.lo if self.lo_open else x >= self.lo) and x <= self.hi
+
+    def __call__(self, text: str):
+        try:
+            x = int(text) if self.integer else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if self.integer else 'a number'} in "
+                                             f"{self.range}, got {text!r}") from None
+        if not self.ok(x):
+            raise argparse.ArgumentTypeError(f"must be {'an integer' if self.integer else 'a finite number'} in "
+                                             f"{self.range}, got {text!r}")
+        return x
+
+
+def tokens(lo: int = 1, hi: int = MAX_TOKENS, **kw) -> number:
+    return number(lo, hi, integer=True, **kw)
+
+
+def count(hi: int, lo: int = 1, **kw) -> number:
+    return number(lo, hi, integer=True, **kw)
+
+
+def seconds(hi: float = MAX_TIMEOUT_S) -> number:
+    return number(0, hi, lo_open=True)
+
+
+def mbps(zero: str = "") -> number:
+    return number(0, MAX_MBPS, lo_open=True, zero=bool(zero), meaning=zero and f"0: {zero}")
+
+
+def megabytes(zero: str = "") -> number:
+    return number(0, machine_mb(), lo_open=True, zero=bool(zero), meaning=zero and f"0: {zero}")
