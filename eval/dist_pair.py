@@ -94,10 +94,12 @@ def run(backend: str | None = None, device: str | None = None, tokens: int = 102
 
 
 if __name__ == "__main__":
+    from lynx_hf.flags import tokens
+
     a = argparse.ArgumentParser(description=__doc__)
     a.add_argument("--backend", choices=["nccl", "gloo"])
     a.add_argument("--device", choices=["cuda", "cpu"])
-    a.add_argument("--tokens", type=int, default=1024)
-    a.add_argument("--new-tokens", type=int, default=32)
+    a.add_argument("--tokens", type=tokens(), default=1024)
+    a.add_argument("--new-tokens", type=tokens(hi=4096), default=32)
     o = a.parse_args()
     run(o.backend, o.device, o.tokens, o.new_tokens)

@@ -80,10 +80,12 @@ def run(prompts: int = 6, tokens: int = 48, prompt_tokens: int = 256, as_json: b
 
 
 def main(argv=None):
+    from lynx_hf.flags import count, tokens
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompts", type=int, default=6)
-    p.add_argument("--tokens", type=int, default=48, help="tokens generated per prompt")
-    p.add_argument("--prompt-tokens", type=int, default=256, help="prompt length")
+    p.add_argument("--prompts", type=count(1000), default=6)
+    p.add_argument("--tokens", type=tokens(hi=4096), default=48, help="tokens generated per prompt")
+    p.add_argument("--prompt-tokens", type=tokens(), default=256, help="prompt length")
     p.add_argument("--chat", action="store_true", help="chat-template questions instead of source-code cuts")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)

@@ -112,20 +112,26 @@ def test_a_slow_reader_is_held_to_its_in_flight_bound_and_the_compute_never_wait
 
 
 def test_requests_beyond_the_working_set_slots_wait_hearing_progress(tiny, monkeypatch):
-    """One slot: while a request holds it, a second waits — its prompt not yet looked up or prefilled, its client
-    kept alive by PROGRESS frames past its own 1 s silence limit — and is served once the slot frees."""
+    """One slot per pool: while a short prompt holds the short one, a second short one waits — its prompt not yet
+    looked up or prefilled, its client kept alive by PROGRESS frames past its own 1 s silence limit — and is served
+    once the slot frees; a long prompt holding the other pool's slot (a transfer to a slow client) delays no short
+    one."""
     monkeypatch.setattr(P, "PROGRESS_S", 0.2)
     srv = S.PrefillServer(tiny, secret=SECRET, max_concurrent_prefills=1).start()
     try:
         cli = DecodeClient(tiny, *srv.address, secret=SECRET, timeout_s=1.0)
         taken, release = threading.Event(), threading.Event()
 
-        def hold():
-            with srv.slots.hold():
+        def hold(tokens, taken, release):
+            with srv.slots.hold(tokens):
                 taken.set()
                 release.wait(10)
 
-        th = threading.Thread(target=hold)
+        long_taken, long_release = threading.Event(), threading.Event()
+        threading.Thread(target=hold, args=(5000, long_taken, long_release)).start()
+        assert long_taken.wait(5)
+        assert len(cli.generate(ids(20, 4), Q(), max_new_tokens=2)["tokens"]) == 2  # not behind the long one
+        th = threading.Thread(target=hold, args=(20, taken, release))
         th.start()
         assert taken.wait(5)
         looked = []
@@ -140,6 +146,7 @@ def test_requests_beyond_the_working_set_slots_wait_hearing_progress(tiny, monke
         assert looked and len(out["r"]["tokens"]) == 2
         cli.close()
         th.join(5)
+        long_release.set()
     finally:
         srv.close()
 
@@ -152,7 +159,7 @@ def test_the_server_states_its_memory_bounds(tiny, caplog):
         b, g = srv.bounds, P.kv_geometry(tiny)
         per_token = g["num_layers"] * 2 * g["kv_heads"] * g["head_dim"] * 4
         assert b["kv_bytes_per_token"] == per_token and b["prefix_cache"] == 8 << 20
-        assert b["working_sets"] == 2 * 2 * P.max_prompt_tokens(tiny) * per_token
+        assert b["working_sets"] == 2 * 2 * (P.max_prompt_tokens(tiny) + 1024) * per_token
         assert b["inflight"] == 3 * ((2 << 20) + 1024 * per_token // g["num_layers"])
         assert b["total"] == b["model"] + b["prefix_cache"] + b["working_sets"] + b["compute"] + b["inflight"]
         assert "memory bounds: model" in caplog.text and "in-flight frames 3 connections x (2 MB" in caplog.text
@@ -233,3 +240,14 @@ def test_tls_spoken_to_a_plain_server_and_plain_to_a_tls_server_are_said_at_once
     finally:
         tls.close()
         plain.close()
+
+
+def test_no_numeric_flag_anywhere_bypasses_the_validator():
+    """The vLLM demo and proxy and the eval scripts parse their own flags: none with a bare int or float type."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    bare = [f"{p.relative_to(root)}:{n}" for d in ("lynx_hf", "eval") for p in (root / d).rglob("*.py")
+            for n, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"type=(int|float)\b", line)]
+    assert not bare, bare

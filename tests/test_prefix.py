@@ -278,9 +278,9 @@ def test_an_old_client_gets_a_clear_refusal():
 
     from lynx_hf.transfer.wire import HEADER, MAGIC, parse_frame
 
-    head = HEADER.pack(MAGIC, 6, int(FrameType.HELLO), 0, 0, 0, 0, 2, 0)
+    head = HEADER.pack(MAGIC, 7, int(FrameType.HELLO), 0, 0, 0, 0, 2, 0)
     frame = head[:-4] + struct.pack("<I", zlib.crc32(b"{}", zlib.crc32(head))) + b"{}"
-    with pytest.raises(WireError, match="protocol version 6 is not supported .this side speaks 7"):
+    with pytest.raises(WireError, match="protocol version 7 is not supported .this side speaks 8"):
         parse_frame(frame)
 
 

@@ -226,21 +226,24 @@ def _validate(model, req: dict) -> tuple[list[int], LynxQuantConfig]:
 
 
 class Slots:
-    """At most `n` requests hold a prompt's working set (its KV, once) at a time; a waiter's `poll()` runs every
-    `every` seconds (it may raise to give up its place)."""
+    """At most `n` requests hold a prompt's working set (its KV, once) at a time, and apart from them at most `n`
+    short ones (prompts of at most `short` tokens: one prefill chunk), so that a short request never waits behind
+    long transfers to slow clients. A waiter's `poll()` runs every `every` seconds (it may raise to give up)."""
 
-    def __init__(self, n: int):
-        self.n, self._sem = n, threading.BoundedSemaphore(n)
+    def __init__(self, n: int, short: int = PREFILL_CHUNK):
+        self.n, self.short = n, short
+        self._long, self._short = threading.BoundedSemaphore(n), threading.BoundedSemaphore(n)
 
     @contextlib.contextmanager
-    def hold(self, poll=None, every: float = PROGRESS_S):
-        while not self._sem.acquire(timeout=every):
+    def hold(self, tokens: int, poll=None, every: float = PROGRESS_S):
+        sem = self._short if tokens <= self.short else self._long
+        while not sem.acquire(timeout=every):
             if poll is not None:
                 poll()
         try:
             yield
         finally:
-            self._sem.release()
+            sem.release()
 
 
 @torch.no_grad()
@@ -261,7 +264,7 @@ def serve_request(model, ch: Channel, req: dict, rid: int, compute: ComputeQueue
     r = _Prefill(model, ch, rid, ids, cfg, compute or ComputeQueue(), chunk, prefix)
     dropped = None
     try:
-        with (slots or Slots(1)).hold(r.poll, PROGRESS_S):
+        with (slots or Slots(1, chunk)).hold(len(ids), r.poll, PROGRESS_S):
             seg = r.run(req, held, refused, plane)
         dropped = _await_sent(ch, rid, seg.futs)
     except Cancelled:

@@ -46,13 +46,15 @@ log = logging.getLogger("lynx_hf.prefill")
 
 
 def memory_bounds(model, prefix_cache_mb: float, max_inflight_mb: float, max_connections: int, slots: int,
-                  prefill_chunk: int) -> dict:
+                  prefill_chunk: int, nixl: bool = False) -> dict:
     """What the prefill server may hold, in bytes, by named bound (docs/wire-format.md, "Memory"): the model; the
     prefix cache; `slots` working sets, each a prompt's KV at most twice (the capture's copy, and the cache entries it
-    reads if another request evicts them meanwhile); one forward pass's activations at a time (the compute queue),
+    reads if another request evicts them meanwhile), and as many of short prompts (one prefill chunk: their own
+    slots); one forward pass's activations at a time (the compute queue),
     dominated at `prefill_chunk` tokens against a full context by one layer's attention scores and probabilities;
     per connection, its in-flight frames plus one layer's frames of one forward pass (queued inside a compute turn,
-    which never waits). Not counted: each connection's fixed cost (threads, buffers: ~1 MB)."""
+    which never waits) and, with the NIXL data plane, its staging buffer (the largest codec's segments of a whole
+    context). Not counted: each connection's fixed cost (threads, buffers: ~1 MB)."""
     from .prefill import max_prompt_tokens
 
     g, c = kv_geometry(model), model.config.get_text_config()
@@ -63,16 +65,28 @@ def memory_bounds(model, prefix_cache_mb: float, max_inflight_mb: float, max_con
     heads, inter = getattr(c, "num_attention_heads", g["kv_heads"]), getattr(c, "intermediate_size", 0) or 0
     b = {"model": sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())),
          "prefix_cache": int(prefix_cache_mb * (1 << 20)),
-         "working_sets": slots * 2 * context * per_token,
+         "working_sets": slots * 2 * (context + min(prefill_chunk, context)) * per_token,
          "compute": prefill_chunk * (2 * context * heads + 3 * inter) * size + prefill_chunk * per_token,
-         "inflight": max_connections * (int(max_inflight_mb * (1 << 20)) + prefill_chunk * per_layer)}
-    return {**b, "total": sum(b.values()), "kv_bytes_per_token": per_token, "context": context}
+         "inflight": max_connections * (int(max_inflight_mb * (1 << 20)) + prefill_chunk * per_layer
+                                        + (_nixl_stage(g, context) if nixl else 0))}
+    return {**b, "total": sum(b.values()), "kv_bytes_per_token": per_token, "context": context,
+            "short": min(prefill_chunk, context)}
+
+
+def _nixl_stage(geometry: dict, context: int) -> int:
+    """A NIXL connection's staging buffer at most: every segment of a whole context, by the largest codec."""
+    from ..config import METHODS, LynxQuantConfig
+    from .serde import stream_bound
+
+    dtype = getattr(torch, geometry["dtype"])
+    return max(stream_bound(LynxQuantConfig(method=m), geometry, context, dtype) for m in METHODS)
 
 
 def describe_bounds(b: dict, slots: int, max_connections: int, max_inflight_mb: float) -> str:
     mb = lambda x: f"{x / (1 << 20):,.0f} MB"
     return (f"memory bounds: model {mb(b['model'])} + prefix cache {mb(b['prefix_cache'])} + working sets {slots} x "
-            f"2 x {b['context']} tokens x {b['kv_bytes_per_token'] / 1024:.0f} KB = {mb(b['working_sets'])} + one "
+            f"2 x ({b['context']} + {b['short']} short) tokens x {b['kv_bytes_per_token'] / 1024:.0f} KB = "
+            f"{mb(b['working_sets'])} + one "
             f"forward pass {mb(b['compute'])} + in-flight frames {max_connections} connections x "
             f"({max_inflight_mb:g} MB + one layer's frames of a forward pass) = {mb(b['inflight'])}; total "
             f"{mb(b['total'])} (plus ~1 MB a connection)")
@@ -175,10 +189,13 @@ class PrefillServer:
         self.nic = Nic(bandwidth_bps, latency_s)  # one link for every connection, shared by deficit round-robin
         self.prefix = PrefixCache(int(prefix_cache_mb * (1 << 20)),
                                   f"{self.fp}|{next(model.parameters()).dtype}")  # shared by every connection
-        self.slots = Slots(max_concurrent_prefills)  # requests holding a working set at once
+        self.slots = Slots(max_concurrent_prefills, prefill_chunk)  # requests holding a working set at once
         self.max_inflight = int(max_inflight_mb * (1 << 20))
-        self.bounds = memory_bounds(model, prefix_cache_mb, max_inflight_mb, max_connections, max_concurrent_prefills,
-                                    prefill_chunk)
+        try:
+            self.bounds = memory_bounds(model, prefix_cache_mb, max_inflight_mb, max_connections,
+                                        max_concurrent_prefills, prefill_chunk, nixl=self.nixl)
+        except ValueError as e:  # a layer kind whose KV no transfer can carry
+            raise ConfigError(f"this model cannot be served: {e}") from None
         log.info(describe_bounds(self.bounds, max_concurrent_prefills, max_connections, max_inflight_mb))
         if self.bounds["total"] > machine_mb() * (1 << 20):
             log.warning("these bounds add up to more than this machine's memory (%.0f MB): lower --max-connections, "

@@ -141,15 +141,22 @@ class Transport:
         while True:
             item = self._q.get()
             prio, _, frame, fut, _, bulk, ready = item
-            if frame is None or self._error is not None:
-                self._wire.put(item)  # the writer ends there (or fails the frame)
-                if frame is None:
-                    return
+            if frame is None:
+                self._wire.put(item)  # the writer ends there
+                return
+            if self._error is not None:  # the writer has stopped: nobody else would complete this frame
+                if not fut.done():
+                    fut.set_exception(ConnectionError(f"an earlier send failed: {self._error}"))
                 continue
             if not fut.set_running_or_notify_cancel():  # dropped while queued
                 continue
             deliver = self.link.schedule(len(frame) + (bulk.nbytes if bulk is not None else 0), ready_at=ready)
-            self._wire.put((prio, deliver or 0.0, frame, fut, None, bulk, ready))  # None: the port closed
+            with self._lock:  # against the writer's failure: either it drains this item, or we fail it here
+                err = self._error
+                if err is None:
+                    self._wire.put((prio, deliver or 0.0, frame, fut, None, bulk, ready))  # None: the port closed
+            if err is not None:
+                fut.set_exception(ConnectionError(f"an earlier send failed: {err}"))
 
     def _send_loop(self) -> None:
         try:

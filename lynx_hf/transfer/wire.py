@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from ..errors import LynxError
 
 MAGIC = b"LYNX"
-VERSION = 7  # 2: FIRST carries the prefill's logits, PROMPT declares vocab and windows; 3: frame MACs; 4: CANCEL;
+VERSION = 8  # 2: FIRST carries the prefill's logits, PROMPT declares vocab and windows; 3: frame MACs; 4: CANCEL;
 #              5: PROGRESS; 6: REQUEST says what the decode side holds (held, held_digest), PROMPT where shipping starts;
-#              7: data planes (REQUEST data_plane, PROMPT data_plane, PLACED)
+#              7: data planes (REQUEST data_plane, PROMPT data_plane, PLACED); 8: PROBE (a client's first frame),
+#              PROGRESS before PROMPT (a request waiting for a working-set slot)
 HEADER = struct.Struct("<4sBBBBIII I")  # magic, version, type, stream, flags, request_id, seq, length, crc32
 MAX_PAYLOAD = 64 << 20   # one frame's payload
 MAX_JSON = 4 << 20       # a control payload (prompt ids included)

@@ -61,13 +61,15 @@ def plot(runs: dict, path: Path, title: str) -> bool:
 
 
 def main(argv=None) -> int:
+    from ..flags import count, mbps, tokens
+
     ap = argparse.ArgumentParser(prog="lynx-hf vllm-demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="an HF-format model folder (bootstrap passes the embedded one)")
-    ap.add_argument("--tokens", type=int, default=1024, help="prompt tokens (default 1024)")
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--bandwidth-mbps", type=float, default=15.0, help="the emulated link (0: unpaced)")
-    ap.add_argument("--num-speculative-tokens", type=int, default=16, help="vLLM's K (engine-wide)")
-    ap.add_argument("--port", type=int, default=7411, help="the prefill engine's KV stream port")
+    ap.add_argument("--tokens", type=tokens(), default=1024, help="prompt tokens (default 1024)")
+    ap.add_argument("--new-tokens", type=tokens(hi=4096), default=32)
+    ap.add_argument("--bandwidth-mbps", type=mbps("unpaced"), default=15.0, help="the emulated link (0: unpaced)")
+    ap.add_argument("--num-speculative-tokens", type=count(64), default=16, help="vLLM's K (engine-wide)")
+    ap.add_argument("--port", type=count(65535), default=7411, help="the prefill engine's KV stream port")
     ap.add_argument("--do-sample", action="store_true", help="temperature 0.7 (seeded) instead of greedy")
     ap.add_argument("--prompt-file", help="a text file for the prompt (default: the standard library's source)")
     ap.add_argument("--out-dir", default="runs")

@@ -170,15 +170,17 @@ def app(proxy: Proxy) -> web.Application:
 
 
 def main(argv=None) -> None:
+    from ..flags import count
+
     ap = argparse.ArgumentParser(prog="lynx-hf vllm-proxy", description=__doc__.split("\n\n")[0])
     ap.add_argument("--prefill", required=True, help="the prefill vllm serve, e.g. http://127.0.0.1:8100")
     ap.add_argument("--decode", required=True, help="the decode vllm serve, e.g. http://127.0.0.1:8200")
     ap.add_argument("--kv-host", default="127.0.0.1", help="the prefill instance's KV stream host (its extra config)")
-    ap.add_argument("--kv-port", type=int, default=7411, help="... and port")
+    ap.add_argument("--kv-port", type=count(65535), default=7411, help="... and port")
     ap.add_argument("--method", default="lynx", help="the codec (lynx; int8, kivi4, bf16 ship whole)")
-    ap.add_argument("--draft-budget", type=int, default=31, help="tokens the shadow drafts")
+    ap.add_argument("--draft-budget", type=count(4096), default=31, help="tokens the shadow drafts")
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--port", type=count(65535), default=8000)
     a = ap.parse_args(argv)
     from ..config import LynxQuantConfig
 
