@@ -43,6 +43,16 @@ def logits_width(model) -> int:
     return int(emb.weight.shape[0]) if emb is not None else int(model.config.get_text_config().vocab_size)
 
 
+MAX_PROMPT = 131072  # the longest prompt a prefill server takes, whatever the model says
+
+
+def max_prompt_tokens(model) -> int:
+    """The longest prompt a prefill server takes (and a decode client sends): the model's context
+    (max_position_embeddings), at most MAX_PROMPT."""
+    n = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    return min(MAX_PROMPT, n) if isinstance(n, int) and n > 0 else MAX_PROMPT
+
+
 def kv_geometry(model) -> dict:
     """What the model's prompt KV looks like on the wire: the PROMPT frame declares it and the decode side requires
     it to equal its own model's before allocating anything."""

@@ -219,18 +219,15 @@ class Turns:
         written in place (a turn crops by slicing, appends by concatenating, materialises into new buffers), so a
         turn on the branch — successful or failed half-way — leaves this cache as it was. What a network
         conversation's turn runs on."""
-        self._settle()
-        if self._phase in ("busy", "plain", "broken"):
-            raise ValueError(f"LynxCache.fork(): {BROKEN if self._phase == 'broken' else BUSY}")
-        self._seal_all()
-        memo = {id(t): t for l in self.layers for t in (l.keys, l.values) if t is not None}
-        return self._branch(memo, "LynxCache.fork()")
+        return self._branch({}, "LynxCache.fork()", share=True)
 
-    def _branch(self, memo, what: str):
+    def _branch(self, memo, what: str, share: bool = False):
         self._settle()
         if self._phase in ("busy", "plain", "broken"):
             raise ValueError(f"{what}: {BROKEN if self._phase == 'broken' else BUSY}")
         self._seal_all()
+        if share:  # the sealed KV itself, not a copy, in the branch
+            memo.update({id(t): t for l in self.layers for t in (l.keys, l.values) if t is not None})
         self._phase = "held"
         new = type(self).__new__(type(self))
         skip = {"_lock", "_changed", "loader", "_hooks", "_model", "trace"}

@@ -16,14 +16,13 @@ import time
 
 import torch
 
-from ..arch import fingerprint, kv_geometry
+from ..arch import fingerprint, kv_geometry, max_prompt_tokens
 from ..cache import LynxCache
 from ..config import LynxQuantConfig, SpecConfig
 from ..engine.warm import warm_up
 from ..errors import ConfigError
-from ..flags import MAX_TIMEOUT_S
+from ..flags import MAX_TIMEOUT_S, seconds
 from ..loader import Loader
-from .prefill import max_prompt_tokens
 from .prefix_cache import token_digest
 from . import nixl
 from .serde import check_residual, stream_bound, to_split, unpack_logits, unpack_segment, warm
@@ -161,7 +160,7 @@ class DecodeClient:
         them into this process's memory: `pip install 'lynx-hf[nixl]'`, a server started with --data-plane nixl).
         Everything this side must compute happens before it connects, so that the server's handshake deadline
         measures the network and the peer only."""
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= MAX_TIMEOUT_S:
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not seconds().ok(timeout_s):
             raise ConfigError(f"timeout_s must be a finite number of seconds in (0, {MAX_TIMEOUT_S:g}], got {timeout_s!r}")
         self.model, self.timeout = model, timeout_s
         self.context = max_prompt_tokens(model)

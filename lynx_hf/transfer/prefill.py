@@ -29,7 +29,7 @@ from concurrent import futures
 
 import torch
 
-from ..arch import fingerprint, kv_geometry
+from ..arch import fingerprint, kv_geometry, max_prompt_tokens
 from ..config import LynxQuantConfig
 from ..local import PromptCapture
 from ..quant import encode
@@ -40,7 +40,6 @@ from .transport import PRIO_ANCHOR, PRIO_END, PRIO_RESIDUAL
 from .wire import MAX_JSON, SEGMENT_TOKENS, FrameType, PeerClosed, Stream, WireError
 
 log = logging.getLogger("lynx_hf.prefill")
-MAX_PROMPT = 131072
 PREFILL_CHUNK = 1024  # tokens of one forward pass of a long prompt (a short request waits for at most one)
 PROGRESS_S = 5.0      # a waiting request's client hears a PROGRESS frame at least this often
 
@@ -183,12 +182,6 @@ class _Segmenter:
             self.futs += send_layer(self.ch, self.rid, self.cfg, layer, K[:, :, off:off + self.segment],
                                     V[:, :, off:off + self.segment], s0 + off, self.segment, self.num_layers,
                                     self.plane)
-
-
-def max_prompt_tokens(model) -> int:
-    """The longest prompt this server prefills: the model's context (max_position_embeddings) and MAX_PROMPT."""
-    n = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    return min(MAX_PROMPT, n) if isinstance(n, int) and n > 0 else MAX_PROMPT
 
 
 def held_claim(req: dict, ids: list[int], cfg: LynxQuantConfig, fp: str) -> tuple[int, str | None]:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..arch import fingerprint, kv_geometry
+from ..arch import fingerprint, kv_geometry, max_prompt_tokens
 from ..errors import ConfigError
 from ..flags import MAX_CONCURRENT_PREFILLS, MAX_INFLIGHT_MB, MAX_TIMEOUT_S, PREFIX_CACHE_MB, machine_mb
 from ..link import Nic
@@ -55,8 +55,6 @@ def memory_bounds(model, prefix_cache_mb: float, max_inflight_mb: float, max_con
     per connection, its in-flight frames plus one layer's frames of one forward pass (queued inside a compute turn,
     which never waits) and, with the NIXL data plane, its staging buffer (the largest codec's segments of a whole
     context). Not counted: each connection's fixed cost (threads, buffers: ~1 MB)."""
-    from .prefill import max_prompt_tokens
-
     g, c = kv_geometry(model), model.config.get_text_config()
     size = torch.empty((), dtype=getattr(torch, g["dtype"])).element_size()
     per_layer = 2 * g["kv_heads"] * g["head_dim"] * size  # bytes a token, one layer (K and V)
