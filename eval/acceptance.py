@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 import lynx_hf
 from lynx_hf import LynxCache, LynxQuantConfig, SpecConfig
+# internal: one prefill's (KV, logits), reused by every KV mode (LynxCache.from_prefill runs its own)
 from lynx_hf.local import prefill
 
 from .data import eval_prompts

@@ -9,17 +9,16 @@ and `paths` are those of the headline size (the whole KV of a 4K-token prompt of
 has every size."""
 from __future__ import annotations
 
-import json
 import statistics
 import time
 
-import torch
 from tqdm import tqdm
 
 from lynx_hf import LynxQuantConfig
-from lynx_hf.quant import dispatch, lynx
 
-HEADLINE_TOKENS = 4096
+from .harness import final_line, printer
+
+HEADLINE_TOKENS = 4096  # torch and the codec load when measuring: registering `bench codec` imports neither
 
 
 def _median(fn, reps: int, sync) -> float:
@@ -36,17 +35,23 @@ def _median(fn, reps: int, sync) -> float:
 
 def _paths(device: str):
     """name → (encode(x) -> SplitKV, decode(split, tier, out=None) -> Tensor), each through one implementation."""
+    import torch
+
+    from lynx_hf.quant import dispatch, lynx  # internal: each implementation on its own, not the dispatch's pick
+
     cfg = LynxQuantConfig()
     names = ("triton", "eager") if device == "cuda" else ("c", "compiled", "eager")
     out = {}
     for name in names:
         k = lynx.REFERENCE if name == "eager" else dispatch.kernels(torch.device(device), 1 << 30, name)
         out[name] = (lambda x, k=k: lynx.encode(x, cfg, "key", k),
-                     lambda s, t, o=None, k=k: lynx.decode(s, t, k, out=o))
+                     lambda s, t, o=None, k=k: lynx.dequantize(s, t, k, out=o))
     return out
 
 
 def measure(tokens: int, device: str = "cpu", heads: int = 3, layers: int = 30, reps: int = 5) -> dict:
+    import torch
+
     torch.manual_seed(0)
     x = torch.randn(1, 2 * heads * layers, tokens, 64, device=device)
     x[:, :, 0] *= 30  # an attention-sink-like outlier token
@@ -69,7 +74,9 @@ def measure(tokens: int, device: str = "cpu", heads: int = 3, layers: int = 30, 
 
 def run(tokens: int = HEADLINE_TOKENS, as_json: bool = False, device: str = "cpu", max_mb: float = 1200,
         reps: int = 5) -> dict:
-    say = (lambda *a: None) if as_json else print
+    import torch
+
+    say = printer(as_json)
     sizes = sorted({t for t in (32, 256, 2048, tokens, 16384, 24576) if t * 2 * 3 * 30 * 64 * 4 / 1e6 <= max_mb}
                    | {tokens})
     say(f"device {device}, threads {torch.get_num_threads()}; GB/s of fp32 input (median of {reps}); % of copy_")
@@ -85,5 +92,24 @@ def run(tokens: int = HEADLINE_TOKENS, as_json: bool = False, device: str = "cpu
     head = rows[tokens]
     out = {"copy_gbps": head["copy_gbps"], "paths": head["paths"], "bytes": int(head["mb"] * 1e6), "device": device,
            "sizes": {str(r["tokens"]): r for r in rows.values()}}
-    print(json.dumps(out))
-    return out
+    return final_line(out)
+
+
+def register(bench) -> None:
+    """`lynx-hf bench codec` and its flags (`bench`: the subcommands of `lynx-hf bench`)."""
+    # internal: the command line's own parts (its subcommand helper and help texts, the numeric validators)
+    from lynx_hf.cli import JSON_HELP, subcommand
+    from lynx_hf.flags import count, megabytes, tokens
+
+    p = subcommand(bench, "codec", "encode / decode throughput of each implementation next to copy_ bandwidth")
+    p.add_argument("--tokens", type=tokens(), default=HEADLINE_TOKENS,
+                   help="headline size, the KV of this many tokens")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the tensors and kernels run")
+    p.add_argument("--max-mb", type=megabytes(), default=1200, help="largest tensor of the size sweep")
+    p.add_argument("--reps", type=count(1000), default=5, help="timed repetitions per size (the median is reported)")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
+    p.set_defaults(fn=_command)
+
+
+def _command(a) -> None:
+    run(tokens=a.tokens, as_json=a.json, device=a.device, max_mb=a.max_mb, reps=a.reps)

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 
-import torch
+from .harness import final_line, printer
 
 TARGETS = (80, 90)       # sm_80: A100; sm_90: H100 / H200
 HEAD_DIMS = (64, 128)    # SmolLM2-135M's, Llama-3.1-8B's: the kernels' HALF_D block differs
@@ -42,8 +40,8 @@ class Launch:
         return f"{self.kernel.strip('_')} {self.what}"
 
 
-_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8",
-          torch.int32: "i32", torch.int64: "i64"}
+# torch dtype (by name: registering `bench kernels` imports no torch) → Triton's pointer type
+_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "uint8": "u8", "int32": "i32", "int64": "i64"}
 
 
 class _Recorder:
@@ -53,12 +51,14 @@ class _Recorder:
         self.fn, self.module, self.name, self.calls = fn, module, name, calls
 
     def __getitem__(self, grid):
+        import torch
+
         def launch(*args, **kw):
             names = self.fn.arg_names
             sig, moved, ptrs = [], 0.0, set()
             for n, a in zip(names, args):
                 if isinstance(a, torch.Tensor):
-                    sig.append((n, "*" + _TYPES[a.dtype]))
+                    sig.append((n, "*" + _TYPES[str(a.dtype).removeprefix("torch.")]))
                     if a.data_ptr() not in ptrs:  # a placeholder passes another argument again: never read
                         ptrs.add(a.data_ptr())
                         moved += a.numel() * a.element_size()
@@ -75,8 +75,12 @@ class _Recorder:
 
 def launches() -> list[Launch]:
     """Every distinct Triton launch the dispatch makes for the codecs that run on the Triton kernels."""
-    from lynx_hf import quant
-    from lynx_hf.config import AXES, LynxQuantConfig
+    import torch
+
+    from lynx_hf import LynxQuantConfig, quant
+    # internal: the axes a config may name, the Triton kernels themselves, and the dispatch that picks them (driven
+    # here through its CUDA branch on CPU tensors)
+    from lynx_hf.config import AXES
     from lynx_hf.kernels import decode as kdec, encode as kenc
     from lynx_hf.quant import dispatch
 
@@ -210,7 +214,7 @@ def backend_missing() -> str | None:
 
 
 def run(as_json: bool = False) -> dict:
-    say = (lambda *a: print(*a, file=sys.stderr)) if as_json else print
+    say = printer(as_json, stderr=True)
     why = backend_missing()
     if why:
         raise RuntimeError(f"bench kernels --gpu-compile: {why}")
@@ -229,5 +233,27 @@ def run(as_json: bool = False) -> dict:
                              for a in TARGETS},
            "bytes_per_value": {r["kernel"]: r["bytes_per_value"] for r in ok}}
     say(f"{res['compiled']} of {len(rows)} compiled; {res['spilling']} spill")
-    print(json.dumps(res))
-    return res
+    return final_line(res)
+
+
+def register(bench) -> None:
+    """`lynx-hf bench kernels --gpu-compile` (`bench`: the subcommands of `lynx-hf bench`)."""
+    # internal: the command line's own parts (its subcommand helper and help texts)
+    from lynx_hf.cli import JSON_HELP, subcommand
+
+    p = subcommand(bench, "kernels", "every Triton launch compiled for sm_80 and sm_90 here (--gpu-compile): "
+                                     "registers, spills, bytes moved")
+    p.add_argument("--gpu-compile", action="store_true",
+                   help="compile ahead of time for NVIDIA sm_80 / sm_90 (no GPU needed)")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
+    p.set_defaults(fn=_command)
+
+
+def _command(a) -> None:
+    if not a.gpu_compile:
+        raise SystemExit("lynx-hf bench kernels: pass --gpu-compile (compile every Triton launch for sm_80 and "
+                         "sm_90; the only kernel benchmark that runs without a GPU)")
+    try:
+        run(a.json)
+    except RuntimeError as e:
+        raise SystemExit(str(e))

@@ -13,12 +13,13 @@ plus a stated slack for the allocator and the per-connection threads; idle after
 prefix cache. Prints the numbers and a final JSON line."""
 from __future__ import annotations
 
-import json
 import secrets
 import sys
 import threading
 import time
 from pathlib import Path
+
+from .harness import default_prompt_text, final_line, free_port, printer, start_prefill_server, stop_server
 
 SLACK_MB = 200.0  # allocator fragmentation, thread stacks, socket buffers: what no flag bounds
 
@@ -55,7 +56,7 @@ class Peak:
 def stalled_client(port: int, secret: str, fp: str, ids: list[int], cfg: dict):
     """An authenticated connection that sends one REQUEST and never reads (its frames fill the socket buffers,
     then wait in the server's queue up to its in-flight bound)."""
-    from lynx_hf.transfer.session import Channel, client_handshake, resolve_secret
+    from lynx_hf.transfer.auth import Channel, client_handshake, resolve_secret
     from lynx_hf.transfer.transport import TcpTransport
     from lynx_hf.transfer.wire import FrameType
 
@@ -70,18 +71,17 @@ def run(tokens: int = 6000, stalled: int = 4, prefix_cache_mb: float = 64, max_i
         as_json: bool = False) -> dict:
     import lynx_hf
     from lynx_hf import LynxQuantConfig
-    from lynx_hf.arch import fingerprint
-    from lynx_hf.eval.demo import _free_port, _start_server, default_prompt_text
+    from lynx_hf.arch import fingerprint  # internal: the model fingerprint the raw clients' handshake sends
     from lynx_hf.transfer.decode import DecodeClient
-    from lynx_hf.transfer.server import memory_bounds
+    from lynx_hf.transfer.server import memory_bounds  # internal: the bounds the server declares, to check
 
-    say = (lambda *a: None) if as_json else print
+    say = printer(as_json)
     model, tok = lynx_hf.load_default_model(model_name)
     ids = tok(default_prompt_text()).input_ids[:tokens]
-    secret, port = secrets.token_hex(16), _free_port()
+    secret, port = secrets.token_hex(16), free_port()
     args = ("--prefix-cache-mb", str(prefix_cache_mb), "--max-inflight-mb", str(max_inflight_mb),
             "--max-concurrent-prefills", str(slots), "--send-timeout", str(send_timeout_s))
-    proc = _start_server(port, None, secret, model_name, args)
+    proc = start_prefill_server(port, None, secret, model_name, args)
     b = memory_bounds(model, prefix_cache_mb, max_inflight_mb, stalled, slots, 1024)  # `stalled` connections
     mb = lambda x: x / (1 << 20)
     out = {"tokens": len(ids), "stalled": stalled, "prefix_cache_mb": prefix_cache_mb,
@@ -118,8 +118,7 @@ def run(tokens: int = 6000, stalled: int = 4, prefix_cache_mb: float = 64, max_i
         raise
     finally:
         peak.close()
-        proc.terminate()
-        proc.wait(10)
+        stop_server(proc)
     out["bound_compute_mb"] = mb(b["compute"])
     out["bound_mb"] = base + mb(b["prefix_cache"] + b["inflight"] + b["working_sets"] + b["compute"]) + SLACK_MB
     out["idle_bound_mb"] = base + mb(b["prefix_cache"]) + SLACK_MB
@@ -132,31 +131,41 @@ def run(tokens: int = 6000, stalled: int = 4, prefix_cache_mb: float = 64, max_i
         f"{out['served_meanwhile_s']:.1f} s, identical: {out['served_meanwhile_identical']}")
     say(f"idle after: {out['rss_idle_mb']:,.0f} MB (bound {out['idle_bound_mb']:,.0f} = baseline + prefix cache + "
         f"slack)")
-    print(json.dumps(out))
-    return out
+    return final_line(out)
 
 
-def main(argv=None) -> None:
-    """`python -m lynx_hf.eval.bench_server_memory [--tokens 6000 ...]`: the same with other settings (e.g. the
-    server's defaults: --tokens 8000 --prefix-cache-mb 512 --max-inflight-mb 128 --slots 4)."""
-    import argparse
-
+def register(bench) -> None:
+    """`lynx-hf bench server-memory` and its flags (`bench`: the subcommands of `lynx-hf bench`). The defaults are a
+    small server's, whose bounds a 6K-token miss and 4 stalled clients reach; the server's own defaults with an 8K
+    prompt: --tokens 8000 --prefix-cache-mb 512 --max-inflight-mb 128 --slots 4."""
+    # internal: the command line's own parts (its subcommand helper and help texts, the numeric validators)
+    from lynx_hf.cli import JSON_HELP, MODEL_HELP, subcommand
     from lynx_hf.flags import count, megabytes, seconds, tokens
 
-    ap = argparse.ArgumentParser(prog="python -m lynx_hf.eval.bench_server_memory", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=tokens(), default=6000, help="the prompt (default 6000)")
-    ap.add_argument("--stalled", type=count(64), default=4, help="clients that never read (default 4)")
-    ap.add_argument("--prefix-cache-mb", type=megabytes("off"), default=64.0)
-    ap.add_argument("--max-inflight-mb", type=megabytes(), default=8.0)
-    ap.add_argument("--slots", type=count(1024), default=2, help="--max-concurrent-prefills (default 2)")
-    ap.add_argument("--send-timeout", type=seconds(), default=10.0)
-    ap.add_argument("--model")
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args(argv)
+    p = subcommand(bench, "server-memory", "a serve-prefill's VmRSS after a 6K-token miss, with 4 clients that "
+                                           "never read, and idle, against the bounds it declares")
+    p.add_argument("--tokens", type=tokens(), default=6000, help="prompt tokens")
+    p.add_argument("--stalled", type=count(64), default=4, help="clients that never read")
+    p.add_argument("--prefix-cache-mb", type=megabytes("off"), default=64, help="the server's prefix cache")
+    p.add_argument("--max-inflight-mb", type=megabytes(), default=8, help="the server's per-connection bound")
+    p.add_argument("--slots", type=count(1024), default=2, help="the server's --max-concurrent-prefills")
+    p.add_argument("--send-timeout", type=seconds(), default=10, help="the server's --send-timeout")
+    p.add_argument("--model", help=MODEL_HELP)
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
+    p.set_defaults(fn=_command)
+
+
+def _command(a) -> None:
     run(a.tokens, a.stalled, a.prefix_cache_mb, a.max_inflight_mb, a.slots, a.send_timeout, model_name=a.model,
         as_json=a.json)
 
 
+def main(argv=None):
+    """`python -m lynx_hf.eval.bench_server_memory [--tokens 6000 ...]`: `lynx-hf bench server-memory` itself."""
+    from lynx_hf.cli import main as cli
+
+    return cli(["bench", "server-memory", *(sys.argv[1:] if argv is None else argv)])
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -20,13 +20,14 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 import lynx_hf
 from lynx_hf import LynxQuantConfig, SpecConfig
 
-from .demo import prefill_child
+from .harness import final_line, prefill_child, printer, pyplot, save_figure, save_plot
+
+OUT = "runs/bench_session"
 
 CODECS = {"bf16": LynxQuantConfig(method="bf16"), "int8": LynxQuantConfig(method="int8"),
           "int4": LynxQuantConfig(method="kivi4"), "cachegen": LynxQuantConfig(method="cachegen"),
@@ -100,6 +101,8 @@ def _turn_row(r: dict, turn: int, ids: list[int], identical) -> dict:
 def no_draft_reference(model, cache, ids: list[int], tokens: list[int]) -> list[int]:
     """The turn's tokens decoded again from the same KV without drafts: the cache goes back to the turn's prompt and
     first token (which came from the prefill's logits) and plain generate takes one-token steps on the full tier."""
+    import torch
+
     start = torch.tensor([ids + tokens[:1]])
     out = model.generate(start, cache=cache, max_new_tokens=len(tokens) - 1, min_new_tokens=len(tokens) - 1,
                          do_sample=False)
@@ -107,9 +110,9 @@ def no_draft_reference(model, cache, ids: list[int], tokens: list[int]) -> list[
 
 
 def run(turns: int = 4, bandwidth_mbps: float = 15.0, new_tokens: int = 32, prefix_cache: bool = True,
-        bf16_whole: bool = False, model_name: str | None = None, out_dir: str = "runs/bench_session",
+        bf16_whole: bool = False, model_name: str | None = None, out_dir: str = OUT,
         as_json: bool = False, seed: int = 0, results: str | None = None) -> dict:
-    say = (lambda *a: print(*a, file=sys.stderr)) if as_json else print
+    say = printer(as_json, stderr=True)
     if new_tokens < 32:
         raise ValueError("--new-tokens must be at least 32 (TT32T)")
     model, tok = lynx_hf.load_default_model(model_name)
@@ -153,19 +156,15 @@ def run(turns: int = 4, bandwidth_mbps: float = 15.0, new_tokens: int = 32, pref
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_session.json").write_text(json.dumps(res, indent=2))
-    try:
-        plot(arms, out / "bench_session.png", bandwidth_mbps)
-        say(f"wrote {out / 'bench_session.json'} and {out / 'bench_session.png'}")
-    except ImportError:
-        say(f"wrote {out / 'bench_session.json'} (install matplotlib for the PNG)")
+    save_plot(lambda path: plot(arms, path, bandwidth_mbps), out / "bench_session.png", say,
+              beside=out / "bench_session.json")
     if results:
         cmd = (f"lynx-hf bench session --turns {turns} --bandwidth-mbps {bandwidth_mbps:g} --new-tokens {new_tokens}"
                + ("" if prefix_cache else " --no-prefix-cache") + (" --bf16-whole" if bf16_whole else "")
                + (f" --model {model_name}" if model_name else "") + f" --results {results}")
         write_section(Path(results), markdown(res, cmd))
         say(f"wrote the agent-sessions section of {results}")
-    print(json.dumps(res))
-    return res
+    return final_line(res)
 
 
 SECTION = "# Agent sessions: each turn's new KV versus the whole history"
@@ -243,12 +242,7 @@ def _table(arms: dict, say) -> None:
 
 
 def plot(arms: dict, path: Path, bandwidth_mbps: float) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 5))
+    fig, ax = pyplot().subplots(figsize=(9, 5))
     colors = {c: f"C{i}" for i, c in enumerate(CODECS)}
     for name, rows in arms.items():
         codec, how = name.split("/")
@@ -262,6 +256,30 @@ def plot(arms: dict, path: Path, bandwidth_mbps: float) -> None:
                  f"(whole: the history re-shipped each turn; delta: only the turn's new KV)")
     ax.legend(fontsize=8, ncol=2)
     ax.grid(alpha=0.3, which="both")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
+
+
+def register(bench) -> None:
+    """`lynx-hf bench session` and its flags (`bench`: the subcommands of `lynx-hf bench`)."""
+    # internal: the command line's own parts (its subcommand helper and help texts, the numeric validators)
+    from lynx_hf.cli import JSON_HELP, MODEL_HELP, subcommand
+    from lynx_hf.flags import count, mbps, tokens
+
+    p = subcommand(bench, "session", "an agent conversation over the two-process path: each turn's new KV (delta) "
+                                     "versus the whole history re-shipped")
+    p.add_argument("--turns", type=count(1000), default=4, help="turns of the conversation (8 reach ~6K tokens)")
+    p.add_argument("--bandwidth-mbps", type=mbps(), default=15.0, help="the emulated link")
+    p.add_argument("--new-tokens", type=tokens(hi=4096), default=32, help="tokens generated per turn (at least 32)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="the prefill server keeps no prefix cache")
+    p.add_argument("--bf16-whole", action="store_true", help="also re-ship the whole history in BF16")
+    p.add_argument("--results", metavar="FILE",
+                   help="also write its section of this results file (e.g. docs/results.md)")
+    p.add_argument("--out", default=OUT, help="folder for its JSON and PNG")
+    p.add_argument("--model", help=MODEL_HELP)
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
+    p.set_defaults(fn=_command)
+
+
+def _command(a) -> None:
+    run(turns=a.turns, bandwidth_mbps=a.bandwidth_mbps, new_tokens=a.new_tokens, prefix_cache=not a.no_prefix_cache,
+        bf16_whole=a.bf16_whole, model_name=a.model, out_dir=a.out, as_json=a.json, results=a.results)

@@ -7,7 +7,6 @@
 Prints the numbers and a final JSON line. Targets (issue 20): help under 1 s, a warm load under 3 s."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
@@ -15,6 +14,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from .harness import final_line, printer
 
 LOAD = ("import time; t0 = time.perf_counter(); import torch, transformers, lynx_hf; t = time.perf_counter(); "
         "lynx_hf.load_default_model(); print(time.perf_counter() - t, t - t0)")
@@ -34,7 +35,7 @@ def _load_s(env) -> tuple[float, float]:
 
 
 def run(as_json: bool = False) -> dict:
-    say = (lambda *a: None) if as_json else print
+    say = printer(as_json)
     exe = shutil.which("lynx-hf")
     cmd = [exe, "--help"] if exe else [sys.executable, "-m", "lynx_hf.cli", "--help"]
     _wall(cmd)  # warm the file cache
@@ -52,5 +53,18 @@ def run(as_json: bool = False) -> dict:
         shutil.rmtree(cache, ignore_errors=True)
     res = {"help_s": help_s, "import_s": imports, "load_cold_s": cold, "load_warm_s": warm, "help_under_1s": help_s < 1.0,
            "load_warm_under_3s": warm < 3.0}
-    print(json.dumps(res))
-    return res
+    return final_line(res)
+
+
+def register(bench) -> None:
+    """`lynx-hf bench startup` (`bench`: the subcommands of `lynx-hf bench`)."""
+    # internal: the command line's own parts (its subcommand helper and help texts)
+    from lynx_hf.cli import JSON_HELP, subcommand
+
+    p = subcommand(bench, "startup", "`lynx-hf --help` and the default model's load, each in a fresh process")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
+    p.set_defaults(fn=_command)
+
+
+def _command(a) -> None:
+    run(a.json)

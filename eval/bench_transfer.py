@@ -23,11 +23,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 import lynx_hf
-from lynx_hf.transfer.decode import DecodeClient
 from lynx_hf.errors import ConfigError
 
-from .demo import METHODS, default_prompt_text, prefill_child
+from .harness import METHODS, default_prompt_text, final_line, prefill_child, printer, pyplot, save_figure, save_plot
 
+OUT = "runs/bench_transfer"  # with --data-plane nixl: runs/bench_transfer_nixl
 LINKS_MBPS = (50, 200, 1000, 10000)
 CONTEXTS = (512, 2048, 8192)
 NO_DRAFTS = "Lynx (no drafts)"
@@ -124,13 +124,8 @@ def crossovers(rows: list[dict]) -> dict:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     ctxs, prompts = sorted({r["context"] for r in rows}), sorted({r["prompt"] for r in rows})
-    fig, axes = plt.subplots(2, len(ctxs), figsize=(4.6 * len(ctxs), 7), squeeze=False)
+    fig, axes = pyplot().subplots(2, len(ctxs), figsize=(4.6 * len(ctxs), 7), squeeze=False)
     for j, ctx in enumerate(ctxs):
         for i, metric in enumerate(("tt32t_s", "ttft_s")):
             ax = axes[i][j]
@@ -147,9 +142,7 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.set_ylabel("seconds")
             ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def cache_bound_bytes(model, prompt_tokens: int, tail_tokens: int, wire_bytes: int) -> int:
@@ -161,17 +154,17 @@ def cache_bound_bytes(model, prompt_tokens: int, tail_tokens: int, wire_bytes: i
     return wire_bytes + (prompt_tokens + tail_tokens) * per_token
 
 
-def _request(cli: DecodeClient, ids: list[int], cfg, spec: bool, new_tokens: int) -> tuple[dict, PeakRSS]:
+def _request(cli, ids: list[int], cfg, spec: bool, new_tokens: int) -> tuple[dict, PeakRSS]:
     with PeakRSS() as mem:
         r = cli.generate(ids, cfg, max_new_tokens=new_tokens, speculative=spec)
     return r, mem
 
 
 def run(links_mbps=LINKS_MBPS, contexts=CONTEXTS, prompts=("code", "shakespeare"), new_tokens=32,
-        out="runs/bench_transfer", as_json=False, model_name=None, data_plane="tcp") -> dict:
+        out=OUT, as_json=False, model_name=None, data_plane="tcp") -> dict:
     """links_mbps: emulated link speeds (0: none, loopback as it is); data_plane: "tcp" or "nixl" (the segments'
     bytes by NIXL)."""
-    say = (lambda *a: None) if as_json else print
+    say = printer(as_json)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     results = out / "bench_transfer.jsonl"
@@ -198,18 +191,8 @@ def run(links_mbps=LINKS_MBPS, contexts=CONTEXTS, prompts=("code", "shakespeare"
                     for name, cfg, spec in PLAN:
                         if (link, prompt, ctx, name) in done:
                             continue
-                        r, mem = _request(cli, ids[prompt][:n], cfg, spec, new_tokens)
-                        st = r["stats"]
-                        row = {"link_mbps": link, "prompt": prompt, "context": ctx, "prompt_tokens": n,
-                               "method": name, **{k: r[k] for k in ("ttft_s", "ttft_verified_s", "tt32t_s", "bytes",
-                                                                     "prefill_s", "placed_segments")},
-                               "data_plane": data_plane,
-                               # the KV's bytes over the time from the request to the last segment's arrival
-                               "mb_per_s": r["bytes"] / 1e6 / (st.get("residual_at_s") or st.get("anchors_at_s")),
-                               "drafted": st.get("drafted", 0), "accepted": st.get("accepted", 0),
-                               "peak_rss_mb": mem.delta / 1e6, "tokens": r["tokens"],
-                               # tail: the generated tokens and at most one verify pass's tree nodes
-                               "cache_bound_mb": cache_bound_bytes(model, n, new_tokens + 128, r["bytes"]) / 1e6}
+                        row = _row(model, cli, ids[prompt][:n], (link, prompt, ctx, name), cfg, spec, new_tokens,
+                                   data_plane)
                         done[_key(row)] = row
                         with results.open("a") as f:
                             f.write(json.dumps(row) + "\n")
@@ -219,6 +202,32 @@ def run(links_mbps=LINKS_MBPS, contexts=CONTEXTS, prompts=("code", "shakespeare"
     for r in rows:  # Lynx's output must be the full tier's, token for token
         ref = done.get((r["link_mbps"], r["prompt"], r["context"], NO_DRAFTS))
         r["identical_to_full"] = None if ref is None else r["tokens"] == ref["tokens"]
+    _tables(done, links_mbps, texts, contexts, say)
+    summary = _summary(done, rows, results, say)
+    if save_plot(lambda path: plot(rows, path), out / "bench_transfer.png", say):
+        summary["plot"] = str(out / "bench_transfer.png")
+    return final_line(summary)
+
+
+def _row(model, cli, ids: list[int], key: tuple, cfg, spec: bool, new_tokens: int, data_plane: str) -> dict:
+    """One request's JSONL record; key: (link Mbit/s, prompt, context, method)."""
+    link, prompt, ctx, name = key
+    r, mem = _request(cli, ids, cfg, spec, new_tokens)
+    st = r["stats"]
+    return {"link_mbps": link, "prompt": prompt, "context": ctx, "prompt_tokens": len(ids),
+            "method": name, **{k: r[k] for k in ("ttft_s", "ttft_verified_s", "tt32t_s", "bytes",
+                                                  "prefill_s", "placed_segments")},
+            "data_plane": data_plane,
+            # the KV's bytes over the time from the request to the last segment's arrival
+            "mb_per_s": r["bytes"] / 1e6 / (st.get("residual_at_s") or st.get("anchors_at_s")),
+            "drafted": st.get("drafted", 0), "accepted": st.get("accepted", 0),
+            "peak_rss_mb": mem.delta / 1e6, "tokens": r["tokens"],
+            # tail: the generated tokens and at most one verify pass's tree nodes
+            "cache_bound_mb": cache_bound_bytes(model, len(ids), new_tokens + 128, r["bytes"]) / 1e6}
+
+
+def _tables(done: dict, links_mbps, texts, contexts, say) -> None:
+    """Per prompt and context: a row per link speed, a cell per method."""
     for prompt in texts:
         for ctx in contexts:
             say(f"\n{prompt}, {ctx} tokens: TTFT / TTFT verified / TT32T (s), MB on the wire, accepted/drafted")
@@ -230,6 +239,10 @@ def run(links_mbps=LINKS_MBPS, contexts=CONTEXTS, prompts=("code", "shakespeare"
                     cells.append("-" if r is None else f"{r['ttft_s']:.2f}/{r['ttft_verified_s']:.2f}/"
                                  f"{r['tt32t_s']:.2f} {r['bytes'] / 1e6:.1f}MB")
                 say(f"{link:11.0f}  " + "  ".join(f"{c:>26s}" for c in cells))
+
+
+def _summary(done: dict, rows: list[dict], results: Path, say) -> dict:
+    """The crossovers (said) and the final JSON line's numbers, per prompt@context@link of Lynx's rows."""
     cross = crossovers(rows)
     say("\ncrossovers: ≥ 5 % ahead from the slowest link up to (Mbit/s; inf: the whole sweep, None: not at the "
         "slowest link)")
@@ -238,7 +251,7 @@ def run(links_mbps=LINKS_MBPS, contexts=CONTEXTS, prompts=("code", "shakespeare"
         say(f"  {k:18s} TT32T Lynx < INT8 up to {fmt(v['lynx_beats_int8_below_mbps'])}, drafting pays up to "
             f"{fmt(v['drafting_pays_below_mbps'])}, TTFT Lynx < INT8 up to {fmt(v['lynx_ttft_beats_int8_below_mbps'])}")
     lynx_rows = [r for r in rows if r["method"] == "Lynx"]
-    summary = {
+    return {
         "results": str(results), "requests": len(rows),
         "lynx_identical_to_full": all(r["identical_to_full"] for r in lynx_rows if r["identical_to_full"] is not None),
         "accepted_mean": sum(r["accepted"] for r in lynx_rows) / max(1, len(lynx_rows)),
@@ -250,11 +263,38 @@ def run(links_mbps=LINKS_MBPS, contexts=CONTEXTS, prompts=("code", "shakespeare"
             n: round(done[(r["link_mbps"], r["prompt"], r["context"], n)]["peak_rss_mb"], 1) for n, _, _ in PLAN
             if (r["link_mbps"], r["prompt"], r["context"], n) in done} for r in lynx_rows},
     }
-    try:
-        plot(rows, out / "bench_transfer.png")
-        summary["plot"] = str(out / "bench_transfer.png")
-        say(f"wrote {out / 'bench_transfer.png'}")
-    except ImportError:
-        say("install matplotlib for the PNG")
-    print(json.dumps(summary))
-    return summary
+
+
+def register(bench) -> None:
+    """`lynx-hf bench transfer` and its flags (`bench`: the subcommands of `lynx-hf bench`)."""
+    # internal: the command line's own parts (its subcommand helper and help texts, the numeric validators)
+    from lynx_hf.cli import JSON_HELP, MODEL_HELP, NIXL_EXTRA, subcommand
+    from lynx_hf.flags import mbps, tokens
+
+    p = subcommand(bench, "transfer", "TTFT / TT32T over the two-process path per link speed, context and prompt")
+    p.add_argument("--links", type=mbps("no emulation"), nargs="+", default=list(LINKS_MBPS),
+                   help="Mbit/s (0: no emulation, loopback as it is)")
+    p.add_argument("--contexts", type=tokens(), nargs="+", default=list(CONTEXTS), help="prompt tokens")
+    p.add_argument("--prompts", nargs="+", default=["code", "shakespeare"],
+                   help="'code' (stdlib source), 'shakespeare' (shared data) or text files")
+    p.add_argument("--new-tokens", type=tokens(hi=4096), default=32, help="tokens generated per request")
+    p.add_argument("--data-plane", choices=["tcp", "nixl"], default="tcp",
+                   help=f"the segments' bytes over the channel or by NIXL ({NIXL_EXTRA})")
+    p.add_argument("--out", help=f"results folder, resumable JSONL (default: {OUT}, {OUT}_nixl with --data-plane nixl)")
+    p.add_argument("--model", help=MODEL_HELP)
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
+    p.set_defaults(fn=_command)
+
+
+def _command(a) -> None:
+    from lynx_hf.transfer.commands import plane_or_exit  # internal: --data-plane checked before the model loads
+
+    from . import data
+
+    if "shakespeare" in a.prompts:
+        data.require("bench transfer --prompts shakespeare", needs_text=True,
+                     text_flag="--prompts code (or a text file's path)")
+    plane_or_exit(a)
+    out = a.out or (f"{OUT}_nixl" if a.data_plane == "nixl" else OUT)
+    run(links_mbps=a.links, contexts=a.contexts, prompts=a.prompts, new_tokens=a.new_tokens, out=out, as_json=a.json,
+        model_name=a.model, data_plane=a.data_plane)

@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 
 from lynx_hf import LynxQuantConfig
-from lynx_hf.hub_folder import write_custom_generate
+from lynx_hf.hub_folder import write_custom_generate  # internal: the custom_generate/ folder in the Hub's layout
 
 from .results import LABELS
 

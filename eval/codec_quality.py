@@ -102,6 +102,7 @@ def lynx_coded(probe, config: LynxQuantConfig | None = None, link_bps: float = L
     measured coding time. `ttft_cut_bound`: the net saving over the anchor's own link time, an upper bound on the
     TTFT cut (TTFT includes at least the anchor's transfer); "adopt" when it reaches 5 %."""
     from lynx_hf import quant
+    # internal: CacheGen's coder and the 4-bit unpacking, applied to Lynx's own streams
     from lynx_hf.quant import cachegen
     from lynx_hf.quant.pack import unpack4
 

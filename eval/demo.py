@@ -9,92 +9,17 @@ is verified at once; TT32T to 32 verified tokens. Prints a table, writes JSON + 
 JSON line."""
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import secrets
-import socket
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 import lynx_hf
-from lynx_hf import LynxQuantConfig
-from lynx_hf.transfer.decode import DecodeClient
 
-METHODS = {"BF16": LynxQuantConfig(method="bf16"), "INT8": LynxQuantConfig(method="int8"),
-           "INT4 (KIVI-4)": LynxQuantConfig(method="kivi4"), "CacheGen": LynxQuantConfig(method="cachegen"),
-           "Lynx": LynxQuantConfig()}
-
-
-def default_prompt_text() -> str:
-    """Text every Python installation has: the standard library's own source."""
-    import inspect
-    import json as _json
-    import textwrap
-
-    return "".join(inspect.getsource(m) for m in (textwrap, _json.decoder, _json.encoder, inspect))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_server(port: int, bandwidth_bps: float | None, secret: str, model: str | None, extra: tuple = ()):
-    cmd = [sys.executable, "-m", "lynx_hf.cli", "serve-prefill", "--listen", f"127.0.0.1:{port}"] + \
-        (["--bandwidth-mbps", str(bandwidth_bps / 1e6)] if bandwidth_bps else []) + \
-        (["--model", model] if model else []) + list(extra)
-    env = dict(os.environ, LYNX_SECRET=secret)
-    # the child's log goes to a file, not a pipe: a pipe nobody drains blocks the server once ~64 KiB accumulate
-    log = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
-    proc.log = log
-    t = time.time()
-    while time.time() - t < 300:
-        if proc.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"prefill server exited: {log.read()[-2000:]}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("prefill server did not start within 300 s")
-
-
-@contextlib.contextmanager
-def prefill_child(model, bandwidth_bps: float | None, warmup_ids: list[int], model_name: str | None = None,
-                  timeout_s: float = 120, server_args: tuple = (), data_plane: str = "tcp"):
-    """A `serve-prefill` child process behind the link emulator (`bandwidth_bps` None or 0: no emulation;
-    `server_args`: more of its flags), and a DecodeClient connected to it and warmed up (one short request through
-    both processes); the child is stopped on exit. data_plane "nixl": the segments move by NIXL, which this loopback
-    pair pins to loopback TCP unless $UCX_TLS / $UCX_NET_DEVICES say otherwise."""
-    if data_plane == "nixl":
-        os.environ.setdefault("UCX_TLS", "tcp")
-        os.environ.setdefault("UCX_NET_DEVICES", "lo")
-        server_args = (*server_args, "--data-plane", "nixl")
-    secret, port = secrets.token_hex(16), _free_port()
-    proc = _start_server(port, bandwidth_bps, secret, model_name, server_args)
-    try:
-        cli = DecodeClient(model, "127.0.0.1", port, secret=secret, timeout_s=timeout_s, data_plane=data_plane)
-        cli.generate(warmup_ids, LynxQuantConfig(), max_new_tokens=2)
-        yield cli
-        cli.close()
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        proc.log.close()
+# prefill_child and default_prompt_text are the harness's (tests take them from here too)
+from .harness import METHODS, default_prompt_text, final_line, prefill_child, printer, pyplot, save_figure, save_plot
 
 
 def _row(r: dict) -> dict:
@@ -111,10 +36,7 @@ def _row(r: dict) -> dict:
 def plot_timeline(runs: dict, path: Path, bandwidth_bps: float, prompt_tokens: int, new_tokens: int = 32) -> None:
     """One row per method: each KV segment's arrival by layer (Lynx: anchor and residual; the others send their
     whole KV in one stream), and the decode side's tokens on top (draft, verify pass, verified)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.lines import Line2D
 
     fig, axes = plt.subplots(len(runs), 1, figsize=(11, 1.9 * len(runs) + 1.2), sharex=True)
@@ -138,15 +60,13 @@ def plot_timeline(runs: dict, path: Path, bandwidth_bps: float, prompt_tokens: i
     axes[-1].set_xlabel("seconds since the request was sent")
     fig.suptitle(f"lynx-hf demo: a {prompt_tokens}-token prompt's KV over a {bandwidth_bps / 1e6:g} Mbit/s link, "
                  f"then {new_tokens} tokens", fontsize=11)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, rect=(0, 0.05, 1, 1))
 
 
 def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_json=False, out_dir="runs",
         model_name=None, do_sample=False, methods=None, data_plane="tcp"):
     """methods: {row name: LynxQuantConfig} (default METHODS; it must hold "BF16", "INT8", "INT4 (KIVI-4)", "Lynx")."""
-    say = (lambda *a: print(*a, file=sys.stderr)) if as_json else print  # --json: stdout holds the JSON line only
+    say = printer(as_json, stderr=True)
     model, tok = lynx_hf.load_default_model(model_name)
     text = open(prompt_file, encoding="utf-8", errors="replace").read() if prompt_file else default_prompt_text()
     ids = tok(text).input_ids[:tokens]
@@ -189,10 +109,6 @@ def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_jso
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "demo.json").write_text(json.dumps({**res, "rows": rows}, indent=2))
-    try:
-        plot_timeline(runs, out / "demo_timeline.png", bandwidth_bps, len(ids), new_tokens)
-        say(f"wrote {out / 'demo.json'} and {out / 'demo_timeline.png'}")
-    except ImportError:
-        say(f"wrote {out / 'demo.json'} (install matplotlib for the timeline PNG)")
-    print(json.dumps(res))
-    return res
+    save_plot(lambda path: plot_timeline(runs, path, bandwidth_bps, len(ids), new_tokens), out / "demo_timeline.png",
+              say, beside=out / "demo.json", what="the timeline PNG")
+    return final_line(res)

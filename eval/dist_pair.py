@@ -9,30 +9,24 @@ the models on CUDA (the default picks that)."""
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import secrets
-import socket
 
 import torch
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .harness import final_line, free_port
 
 
 def _rank(rank: int, port: int, backend: str, device: str, tokens: int, new_tokens: int, secret: str, q) -> None:
     import torch.distributed as dist
 
     import lynx_hf
-    import lynx_hf.arch
     from lynx_hf import LynxQuantConfig
-    from lynx_hf.arch import fingerprint
+    # internal: the prefill side without a PrefillServer (its request loop on one channel), over a transport the
+    # server does not listen on (torch.distributed), and the handshake and model geometry that channel needs
+    from lynx_hf.arch import fingerprint, head_dim
     from lynx_hf.transfer.decode import DecodeClient
     from lynx_hf.transfer.prefill import serve_channel
-    from lynx_hf.transfer.session import Channel, resolve_secret, server_handshake
+    from lynx_hf.transfer.auth import Channel, resolve_secret, server_handshake
     from lynx_hf.transfer.transport import DistTransport
 
     try:
@@ -55,7 +49,7 @@ def _rank(rank: int, port: int, backend: str, device: str, tokens: int, new_toke
         # PCIe: what the decode process moved host → GPU for the prompt's KV (the cache's stores are the one place),
         # next to what the dequantized KV would have been
         c = model.config
-        kv_float = 2 * c.num_hidden_layers * c.num_key_value_heads * len(ids) * lynx_hf.arch.head_dim(c) * \
+        kv_float = 2 * c.num_hidden_layers * c.num_key_value_heads * len(ids) * head_dim(c) * \
             next(model.parameters()).element_size()
         out = {k: {m: r[m] for m in ("ttft_s", "ttft_verified_s", "tt32t_s", "bytes", "h2d_bytes")} | {
             "drafted": r["stats"]["drafted"], "accepted": r["stats"]["accepted"]} for k, r in runs.items()}
@@ -78,7 +72,7 @@ def run(backend: str | None = None, device: str | None = None, tokens: int = 102
     backend = backend or ("nccl" if device == "cuda" and torch.cuda.device_count() >= 2 else "gloo")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    args = (_free_port(), backend, device, tokens, new_tokens, secrets.token_hex(16), q)
+    args = (free_port(), backend, device, tokens, new_tokens, secrets.token_hex(16), q)
     procs = [ctx.Process(target=_rank, args=(r, *args)) for r in (0, 1)]
     for p in procs:
         p.start()
@@ -89,12 +83,11 @@ def run(backend: str | None = None, device: str | None = None, tokens: int = 102
             p.kill()
     if "error" in res:
         raise RuntimeError(res["error"])
-    print(json.dumps(res))
-    return res
+    return final_line(res)
 
 
 if __name__ == "__main__":
-    from lynx_hf.flags import tokens
+    from lynx_hf.flags import tokens  # internal: the one validator of every numeric flag
 
     a = argparse.ArgumentParser(description=__doc__)
     a.add_argument("--backend", choices=["nccl", "gloo"])

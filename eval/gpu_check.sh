@@ -43,7 +43,7 @@ $P -m pip install -q -e ".[nixl]" || echo "NIXL did not install"
 UCX_TLS=tcp UCX_NET_DEVICES=lo timeout 240 $P - <<'PY' | tee "$OUT/nixl.json" | tail -1 || echo '{"nixl": "failed"}' > "$OUT/nixl.json"
 import json, lynx_hf
 from lynx_hf import LynxQuantConfig
-from lynx_hf.eval.demo import default_prompt_text, prefill_child
+from lynx_hf.eval.harness import default_prompt_text, prefill_child
 model, tok = lynx_hf.load_default_model()
 model = model.cuda()
 ids = tok(default_prompt_text()).input_ids[:2048]

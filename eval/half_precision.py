@@ -9,7 +9,6 @@ Counts the prompts whose tokens equal plain greedy's, and where the first differ
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import warnings
 
@@ -19,7 +18,7 @@ from tqdm import tqdm
 import lynx_hf
 from lynx_hf import LynxCache, LynxQuantConfig, SpecConfig
 
-from .demo import default_prompt_text
+from .harness import default_prompt_text, final_line, printer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -46,7 +45,7 @@ def prompt_ids(tok, prompts: int, prompt_tokens: int, chat: bool) -> list[list[i
 
 def run(prompts: int = 6, tokens: int = 48, prompt_tokens: int = 256, as_json: bool = False,
         chat: bool = False) -> dict:
-    say = (lambda *a: print(*a, file=sys.stderr)) if as_json else print
+    say = printer(as_json, stderr=True)
     _, tok = lynx_hf.load_default_model(warm=False)
     cuts = prompt_ids(tok, prompts, prompt_tokens, chat)
     res = {"prompts": len(cuts), "tokens": tokens, "prompt_tokens": None if chat else prompt_tokens, "chat": chat,
@@ -75,12 +74,11 @@ def run(prompts: int = 6, tokens: int = 48, prompt_tokens: int = 256, as_json: b
         say(f"{name}: equal to plain greedy on {row['lynx_drafts']}/{n} prompts with drafts, "
             f"{row['lynx_no_drafts']}/{n} without, prompt lookup {row['prompt_lookup']}/{n}; "
             f"Lynx's first differing token: {row['first_diff']}")
-    print(json.dumps(res))
-    return res
+    return final_line(res)
 
 
 def main(argv=None):
-    from lynx_hf.flags import count, tokens
+    from lynx_hf.flags import count, tokens  # internal: the one validator of every numeric flag
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=count(1000), default=6)

@@ -21,6 +21,7 @@ import torch
 
 from lynx_hf import LynxCache, LynxQuantConfig, SpecConfig
 from lynx_hf.errors import ConfigError
+# internal: one prefill's (KV, logits), reused by every KV mode (LynxCache.from_prefill runs its own)
 from lynx_hf.local import prefill
 
 MODES = ("bf16", "int8", "int4", "kivi2", "cachegen", "anchor", "lynx", "identity")

@@ -30,10 +30,11 @@ from transformers import StopStringCriteria, StoppingCriteriaList
 
 import lynx_hf
 from lynx_hf import LynxQuantConfig
+# internal: one prefill's (KV, logits), reused by every KV mode (LynxCache.from_prefill runs its own)
 from lynx_hf.local import prefill
-from lynx_hf.model import EMBEDDED
+from lynx_hf.model import EMBEDDED  # internal: the embedded model's name, what lm-eval records
 from lynx_hf.errors import ConfigError
-from lynx_hf.transfer.decode import DTYPES  # dtype name → torch dtype, as on the wire
+from lynx_hf.transfer.decode import DTYPES  # internal: dtype name → torch dtype, as on the wire
 
 from .kv_modes import MODES, continuation_logprobs, mode_config, transferred_cache
 from .ruler import OFFLINE
@@ -151,6 +152,7 @@ def _with_tokenizer(argv: list[str]) -> list[str]:
     embedded model's, as a folder (the converted GGUF copy), unless --metadata names one."""
     import json
 
+    # internal: the embedded model's tokenizer folder (its converted GGUF copy)
     from lynx_hf.model import DEFAULT_GGUF, converted_gguf, default_model_dir
 
     i = argv.index("--metadata") + 1 if "--metadata" in argv[:-1] else None

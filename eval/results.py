@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 import lynx_hf
 from lynx_hf import LynxCache, LynxQuantConfig
+# internal: one prefill's (KV, logits), reused by every KV mode (LynxCache.from_prefill runs its own)
 from lynx_hf.local import prefill
 
 from .kv_modes import mode_config, transferred_cache

@@ -13,6 +13,8 @@ import argparse
 import json
 import sys
 
+from .harness import final_line, printer
+
 H200 = {"hbm_bps": 4.8e12, "pcie_bps": 55e9}  # HBM3e peak; PCIe Gen5 x16, measured typical (host → device)
 LLAMA_8B = {"layers": 32, "kv_heads": 8, "head_dim": 128}
 CONTEXTS = (8192, 32768, 131072)
@@ -83,7 +85,7 @@ def main(argv=None) -> dict:
     p.add_argument("--codec", help="bench codec --device cuda output (its last line is JSON)")
     p.add_argument("--json", action="store_true", help="print only the final JSON line")
     a = p.parse_args(argv)
-    say = (lambda *x: None) if a.json else print
+    say = printer(a.json)
     res = predict()
     say(f"H200 roofline (HBM {H200['hbm_bps'] / 1e12:g} TB/s, PCIe {H200['pcie_bps'] / 1e9:g} GB/s), Llama-3.1-8B "
         f"geometry, bf16:")
@@ -98,8 +100,7 @@ def main(argv=None) -> dict:
         for k, v in res["check"].items():
             if isinstance(v, dict):
                 say(f"{k}: predicted {v['predicted']} GB/s, measured {v['measured']} ({v['fraction']} of the roofline)")
-    print(json.dumps(res))
-    return res
+    return final_line(res)
 
 
 if __name__ == "__main__":

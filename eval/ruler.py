@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 import lynx_hf
 from lynx_hf import LynxCache, LynxQuantConfig, quant
+# internal: one prefill's (KV, logits), reused by every KV mode (LynxCache.from_prefill runs its own)
 from lynx_hf.local import prefill
 
 from .kv_modes import mode_config, transferred_cache
@@ -124,6 +125,7 @@ def run(model=None, tok=None, cells=CELLS, samples: int = 50, gen: int = 16, res
     lynx_config: the codec of "anchor" and "lynx" (default LynxQuantConfig())."""
     from transformers.utils import logging
 
+    # internal: the embedded model's tokenizer folder (its converted GGUF copy), which RULER sizes haystacks with
     from lynx_hf.model import DEFAULT_GGUF, converted_gguf, default_model_dir
 
     logging.set_verbosity_error()

@@ -24,6 +24,8 @@ import json
 import math
 from dataclasses import dataclass
 
+from .harness import final_line, printer
+
 PAPER = {"bf16": (4.4, 5.9), "int8": (2.3, 3.8), "int4": (1.4, 2.9), "lynx": (1.6, 3.4)}  # Qwen-32B, 16K context
 METHODS = ("bf16", "int8", "int4", "lynx")
 
@@ -141,7 +143,7 @@ def crossover(model, acc, context, overhead, bits, acceptance, key="tt32t_s", lo
 
 
 def run(acceptance: float = 24.3 / 31, as_json: bool = False) -> dict:
-    say = (lambda *a: None) if as_json else print
+    say = printer(as_json)
     bits = measured_bits(QWEN32B.head_dim)
     bw, o = fit(bits, acceptance)
     t = timeline(QWEN32B, A100, 16384, bw, o, bits, acceptance)
@@ -175,5 +177,4 @@ def run(acceptance: float = 24.3 / 31, as_json: bool = False) -> dict:
     res = {"paper_fit": paper_fit, "fitted": {"link_gbps": bw, "overhead_s": o}, "worst_error": err,
            "bits_per_value": bits, "acceptance": acceptance, "accelerator": A100.name, "predictions": predictions,
            "crossovers": cross}
-    print(json.dumps(res))
-    return res
+    return final_line(res)

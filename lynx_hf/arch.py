@@ -27,8 +27,9 @@ def layer_windows(config) -> list[int | None]:
     return out
 
 
-def held_positions(prompt_len: int, window: int | None) -> int:
-    """Prompt positions a layer keeps: all P for full attention, the last min(P, W) for a sliding window W."""
+def window_positions(prompt_len: int, window: int | None) -> int:
+    """Prompt positions a layer's window keeps: all P for full attention, the last min(P, W) for a sliding window W.
+    (What the decode side already *holds* of a conversation is another thing: REQUEST's `held`.)"""
     return prompt_len if window is None else min(prompt_len, window)
 
 

@@ -1,11 +1,31 @@
 """The `lynx-hf` command: argument parsing only; each subcommand calls into lynx_hf or lynx_hf.eval (imported by the
-subcommand that needs it, so `lynx-hf --help` starts without torch)."""
+subcommand that needs it, so `lynx-hf --help` starts without torch).
+
+Each subcommand has a registration function `_add_NAME(sub)` beside its handler; `lynx-hf bench`'s benchmarks and
+`serve-prefill` / `serve-decode` register their own (`register(sub)` in lynx_hf.eval.bench_* and
+lynx_hf.transfer.commands). Every numeric flag goes through a lynx_hf.flags validator."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
+
+from lynx_hf.transfer.commands import MODEL_HELP, HelpFormatter
+
+JSON_HELP = "print only the final JSON line"
+NIXL_EXTRA = "pip install 'lynx-hf[nixl]'"
+
+
+def subcommand(sub, name: str, text: str) -> argparse.ArgumentParser:
+    """A subcommand whose --help shows `text` and every option's default."""
+    return sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".",
+                          formatter_class=HelpFormatter)
+
+
+def _add_eval(sub) -> None:
+    subcommand(sub, "eval", "lm-eval's CLI with the `lynx` model and this project's MMLU-Pro tasks "
+                            "(lynx-hf eval --model lynx --model_args kv=lynx --tasks mmlu_pro_local ...; "
+                            "`lynx-hf eval --help` for every flag)")  # main() hands `eval ...` to lm-eval unparsed
 
 
 def _codec_quality(a):
@@ -13,68 +33,42 @@ def _codec_quality(a):
 
     data.require("codec-quality", a.text, needs_text=True)
     from lynx_hf.eval import codec_quality
+    from lynx_hf.eval.harness import final_line, printer
 
     lines = []
-    emit = (lambda s: None) if a.json else print
+    emit = printer(a.json)
     res = codec_quality.run(a.text or data.shakespeare(), contexts=tuple(a.contexts), gen=a.gen,
                             ablation=not a.no_ablation, model_name=a.model, out=lambda s: (lines.append(s), emit(s)))
     if a.markdown:
         with open(a.markdown, "w") as f:
             f.write("\n".join(lines) + "\n")
-    print(json.dumps(res))
+    final_line(res)
 
 
-BENCH_OUT = "runs/bench_transfer"
-NIXL_EXTRA = "pip install 'lynx-hf[nixl]'"
+def _add_codec_quality(sub) -> None:
+    from lynx_hf.flags import tokens
+
+    q = subcommand(sub, "codec-quality", "KV codec quality on real KV of the default model")
+    q.add_argument("--text", help="text file for the contexts (default: shared tinyshakespeare)")
+    q.add_argument("--contexts", type=tokens(), nargs="+", default=[512, 1024, 2048, 4096], help="context lengths in tokens")
+    q.add_argument("--gen", type=tokens(hi=4096), default=32, help="teacher-forced tokens")
+    q.add_argument("--model", help=MODEL_HELP)
+    q.add_argument("--no-ablation", action="store_true", help="skip the codec ablation (γ, μ/σ, α-law one at a time)")
+    q.add_argument("--markdown", help="also write the tables to this file")
+    q.add_argument("--json", action="store_true", help=JSON_HELP)
+    q.set_defaults(fn=_codec_quality)
 
 
-def _bench(a):
-    if a.what == "transfer" and "shakespeare" in a.prompts:
-        from lynx_hf.eval import data
+def _add_bench(sub) -> None:
+    """`lynx-hf bench BENCHMARK`: each benchmark module registers its own subcommand and flags."""
+    from lynx_hf.eval import (bench_codec, bench_kernels, bench_server_memory, bench_session, bench_startup,
+                              bench_transfer)
 
-        data.require("bench transfer --prompts shakespeare", needs_text=True,
-                     text_flag="--prompts code (or a text file's path)")
-    if a.what == "server-memory":
-        from lynx_hf.eval import bench_server_memory
-
-        bench_server_memory.run(model_name=a.model, as_json=a.json)
-        return None
-    if a.what == "startup":
-        from lynx_hf.eval import bench_startup
-
-        return bench_startup.run(a.json) and None
-    if a.what == "kernels":
-        if not a.gpu_compile:
-            raise SystemExit("lynx-hf bench kernels: pass --gpu-compile (compile every Triton launch for sm_80 and "
-                             "sm_90; the only kernel benchmark that runs without a GPU)")
-        from lynx_hf.eval import bench_kernels
-
-        try:
-            bench_kernels.run(a.json)
-        except RuntimeError as e:
-            raise SystemExit(str(e))
-        return None
-    if a.what == "session":
-        from lynx_hf.eval import bench_session
-
-        out = "runs/bench_session" if a.out == BENCH_OUT else a.out
-        bench_session.run(turns=a.turns, bandwidth_mbps=a.bandwidth_mbps, new_tokens=a.new_tokens,
-                          prefix_cache=not a.no_prefix_cache, bf16_whole=a.bf16_whole, model_name=a.model,
-                          out_dir=out, as_json=a.json, results=a.results)
-        return None
-    from lynx_hf.eval import bench_codec
-
-    if a.what == "codec":
-        bench_codec.run(tokens=a.tokens, as_json=a.json, device=a.device, max_mb=a.max_mb, reps=a.reps)
-    else:
-        from lynx_hf.eval import bench_transfer
-
-        from lynx_hf.transfer.commands import plane_or_exit
-
-        plane_or_exit(a)
-        out = f"{BENCH_OUT}_nixl" if a.out == BENCH_OUT and a.data_plane == "nixl" else a.out
-        bench_transfer.run(links_mbps=a.links, contexts=a.contexts, prompts=a.prompts, new_tokens=a.new_tokens,
-                           out=out, as_json=a.json, model_name=a.model, data_plane=a.data_plane)
+    b = subcommand(sub, "bench", "benchmarks that print numbers and a final JSON line "
+                                 "(`lynx-hf bench BENCHMARK --help`: what one measures, its options)")
+    benches = b.add_subparsers(dest="what", required=True, metavar="BENCHMARK", help="what to measure")
+    for m in (bench_codec, bench_kernels, bench_transfer, bench_session, bench_startup, bench_server_memory):
+        m.register(benches)
 
 
 def _demo(a):
@@ -87,6 +81,24 @@ def _demo(a):
              data_plane=a.data_plane)
 
 
+def _add_demo(sub) -> None:
+    from lynx_hf.flags import mbps, tokens
+
+    d = subcommand(sub, "demo", "prefill and decode processes over loopback TCP: BF16 / INT8 / INT4 / Lynx")
+    d.add_argument("--prompt-file", help="any text file (default: Python standard-library source)")
+    d.add_argument("--tokens", type=tokens(), default=1024, help="prompt length in tokens")
+    d.add_argument("--bandwidth-mbps", type=mbps(), default=15.0, help="link emulator, Mbit/s")
+    d.add_argument("--new-tokens", type=tokens(hi=4096), default=32, help="tokens to generate per method")
+    d.add_argument("--out", default="runs", help="folder for demo.json and demo_timeline.png")
+    d.add_argument("--model", help=MODEL_HELP)
+    d.add_argument("--json", action="store_true", help=JSON_HELP)
+    d.add_argument("--do-sample", action="store_true", help="sample (temperature 0.7, seeded) instead of greedy")
+    d.add_argument("--data-plane", choices=["tcp", "nixl"], default="tcp",
+                   help=f"the segments' bytes over the TCP channel or by NIXL ({NIXL_EXTRA}; pinned to loopback "
+                        f"TCP unless $UCX_TLS / $UCX_NET_DEVICES are set)")
+    d.set_defaults(fn=_demo)
+
+
 def _acceptance(a):
     from lynx_hf.eval import data
 
@@ -94,6 +106,16 @@ def _acceptance(a):
     from lynx_hf.eval import acceptance
 
     acceptance.run(a.drafts, a.json, a.model)
+
+
+def _add_acceptance(sub) -> None:
+    from lynx_hf.flags import tokens
+
+    c = subcommand(sub, "acceptance", "accepted anchor-tier drafts, chain versus tree (20 prompts)")
+    c.add_argument("--drafts", type=tokens(0, 4096), default=31, help="draft steps before the residual lands")
+    c.add_argument("--model", help=MODEL_HELP)
+    c.add_argument("--json", action="store_true", help=JSON_HELP)
+    c.set_defaults(fn=_acceptance)
 
 
 def _results(a):
@@ -114,6 +136,27 @@ def _cell(text: str) -> tuple[str, int]:
     return task, int(length)
 
 
+def _add_results(sub) -> None:
+    from lynx_hf.flags import count, mbps, tokens
+
+    r = subcommand(sub, "results", "the paper's table by KV mode: wire, TTFT/TT32T, RULER, MMLU-Pro (docs/results.md, "
+                                   "docs/results.json); reads MMLU-Pro (README, Data)")
+    r.add_argument("--questions", type=count(1 << 20), default=500, help="MMLU-Pro questions per context length")
+    r.add_argument("--contexts", type=tokens(), nargs="+", default=[512, 1024], help="context lengths in tokens")
+    r.add_argument("--model", help=MODEL_HELP)
+    r.add_argument("--lynx-config", help="folder, file or Hub repo with a lynx_config.json")
+    r.add_argument("--residual-after", type=tokens(0, 4096), default=2, help="Lynx: residual lands after this many draft steps")
+    r.add_argument("--ruler-samples", type=count(1 << 20, lo=0), default=50, help="RULER samples per (task, length) cell (0: no RULER)")
+    r.add_argument("--ruler-cells", nargs="+", metavar="TASK@LENGTH",
+                   help="RULER cells (default: niah_single_1, niah_multikey_2, niah_multikey_3 at 1K and 2K, "
+                        "niah_single_1 at 4K)")
+    r.add_argument("--no-demo", action="store_true", help="skip the two-process demo (no MB/TTFT/TT32T columns)")
+    r.add_argument("--bandwidth-mbps", type=mbps(), default=15.0, help="the demo's emulated link")
+    r.add_argument("--out", default="docs/results.md", help="the Markdown table (the JSON beside it)")
+    r.add_argument("--json", action="store_true", help=JSON_HELP)
+    r.set_defaults(fn=_results)
+
+
 def _calibrate(a):
     from lynx_hf.eval import data
 
@@ -123,16 +166,53 @@ def _calibrate(a):
     calibrate.run(a.model, a.text, a.budget, a.out, tuple(a.contexts), a.gen, a.json)
 
 
+def _add_calibrate(sub) -> None:
+    from lynx_hf.flags import count, tokens
+
+    k = subcommand(sub, "calibrate", "search the codec's settings for a model; writes lynx_config.json")
+    k.add_argument("--model", help=MODEL_HELP)
+    k.add_argument("--text", help="calibration text file (default: shared tinyshakespeare)")
+    k.add_argument("--budget", type=count(10000), default=24, help="settings to score at most")
+    k.add_argument("--contexts", type=tokens(), nargs="+", default=[512, 1024], help="calibration prompt lengths")
+    k.add_argument("--gen", type=tokens(hi=4096), default=32, help="teacher-forced tokens per prompt")
+    k.add_argument("--out", default="lynx_config", help="folder for lynx_config.json")
+    k.add_argument("--json", action="store_true", help=JSON_HELP)
+    k.set_defaults(fn=_calibrate)
+
+
 def _card(a):
     from lynx_hf.eval import card
 
     card.run(a.model, a.out, a.results or None, a.lynx_config, a.residual_after, a.push)
 
 
+def _add_card(sub) -> None:
+    from lynx_hf.flags import tokens
+
+    h = subcommand(sub, "card", "a Hub-ready folder: model card, lynx_config.json, custom_generate/")
+    h.add_argument("--model", help="base model's Hub id (default: the embedded SmolLM2-135M-Instruct's)")
+    h.add_argument("--out", required=True, help="folder to write")
+    h.add_argument("--results", default="docs/results.md", help="results of `lynx-hf results` ('' for none)")
+    h.add_argument("--lynx-config", help="folder, file or Hub repo with a lynx_config.json (default: the defaults)")
+    h.add_argument("--residual-after", type=tokens(0, 4096), default=8, help="custom_generate's local residual schedule")
+    h.add_argument("--push", metavar="REPO", help="upload the folder to this Hub repo")
+    h.set_defaults(fn=_card)
+
+
 def _simulate(a):
     from lynx_hf.eval import simulate
 
     simulate.run(a.acceptance, a.json)
+
+
+def _add_simulate(sub) -> None:
+    from lynx_hf.flags import number
+
+    s = subcommand(sub, "simulate", "analytic TTFT / TT32T model fitted to the paper, then extrapolated")
+    s.add_argument("--acceptance", type=number(0, 1), default=24.3 / 31,
+                   help="fraction of draft steps kept (default: the tree's, lynx-hf acceptance)")
+    s.add_argument("--json", action="store_true", help=JSON_HELP)
+    s.set_defaults(fn=_simulate)
 
 
 DESCRIPTION = """Lynx: progressive speculative quantization of the KV cache a prefill node ships to a decode node,
@@ -143,139 +223,20 @@ EPILOG = """first steps:
   lynx-hf SUBCOMMAND --help           what a subcommand does, its options and their defaults
   lynx-hf eval --help                 lm-eval with `--model lynx --model_args kv=MODE` and this project's tasks
 data: some subcommands read the shared evaluation data (README, 'Data'); they say so at once when it is missing."""
-
-
-def _sub(sub, name: str, text: str):
-    """A subcommand whose --help shows `text` and every option's default."""
-    from lynx_hf.transfer.commands import HelpFormatter
-
-    return sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".",
-                          formatter_class=HelpFormatter)
+COMMANDS = (_add_eval, _add_codec_quality, _add_bench, _add_acceptance, _add_demo, _add_results, _add_calibrate,
+            _add_card, _add_simulate)  # in --help's order; serve-prefill and serve-decode come last
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Every subcommand, its options and their help (every numeric option through lynx_hf.flags.number)."""
-    from lynx_hf.flags import count, mbps, megabytes, number, tokens
+    from lynx_hf.transfer import commands  # serve-prefill, serve-decode
 
     p = argparse.ArgumentParser(prog="lynx-hf", description=DESCRIPTION, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--debug", action="store_true", help="on an error, show its traceback (also: LYNX_DEBUG=1)")
     sub = p.add_subparsers(dest="cmd", required=True)
-    _sub(sub, "eval", "lm-eval's CLI with the `lynx` model and this project's MMLU-Pro tasks "
-                      "(lynx-hf eval --model lynx --model_args kv=lynx --tasks mmlu_pro_local ...; "
-                      "`lynx-hf eval --help` for every flag)")
-
-    q = _sub(sub, "codec-quality", "KV codec quality on real KV of the default model")
-    q.add_argument("--text", help="text file for the contexts (default: shared tinyshakespeare)")
-    q.add_argument("--contexts", type=tokens(), nargs="+", default=[512, 1024, 2048, 4096], help="context lengths in tokens")
-    q.add_argument("--gen", type=tokens(hi=4096), default=32, help="teacher-forced tokens")
-    q.add_argument("--model", help="Hub id or local path (default: embedded SmolLM2-135M-Instruct)")
-    q.add_argument("--no-ablation", action="store_true", help="skip the codec ablation (γ, μ/σ, α-law one at a time)")
-    q.add_argument("--markdown", help="also write the tables to this file")
-    q.add_argument("--json", action="store_true", help="print only the final JSON line")
-    q.set_defaults(fn=_codec_quality)
-
-    b = _sub(sub, "bench", "benchmarks that print numbers and a final JSON line")
-    b.add_argument("what", choices=["codec", "kernels", "transfer", "session", "startup", "server-memory"],
-                   help="codec: encode/decode throughput; kernels --gpu-compile: every Triton launch compiled for "
-                        "sm_80 and sm_90 here (registers, spills, bytes moved); transfer: TTFT/TT32T over the "
-                        "two-process path per link "
-                        "speed; session: an agent conversation over the two-process path, each turn's new KV "
-                        "(delta) versus the whole history re-shipped; startup: `lynx-hf --help` and the default "
-                        "model's load, each in a fresh process; server-memory: a serve-prefill's VmRSS after a 6K-"
-                        "token miss, with 4 clients that never read, and idle, against the bounds it declares")
-    b.add_argument("--gpu-compile", action="store_true",
-                   help="kernels: compile ahead of time for NVIDIA sm_80 / sm_90 (no GPU needed)")
-    b.add_argument("--tokens", type=tokens(), default=4096, help="codec: headline size, the KV of this many tokens")
-    b.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="codec")
-    b.add_argument("--max-mb", type=megabytes(), default=1200, help="codec: largest tensor of the size sweep")
-    b.add_argument("--reps", type=count(1000), default=5, help="codec: timed repetitions per size (the median is reported)")
-    b.add_argument("--links", type=mbps("no emulation"), nargs="+", default=[50, 200, 1000, 10000],
-                   help="transfer: Mbit/s (0: no emulation, loopback as it is)")
-    b.add_argument("--data-plane", choices=["tcp", "nixl"], default="tcp",
-                   help=f"transfer: the segments' bytes over the channel or by NIXL ({NIXL_EXTRA}; results in "
-                        f"runs/bench_transfer_nixl)")
-    b.add_argument("--contexts", type=tokens(), nargs="+", default=[512, 2048, 8192], help="transfer: prompt tokens")
-    b.add_argument("--prompts", nargs="+", default=["code", "shakespeare"],
-                   help="transfer: 'code' (stdlib source), 'shakespeare' (shared data) or text files")
-    b.add_argument("--new-tokens", type=tokens(hi=4096), default=32, help="transfer, session: tokens generated per request/turn")
-    b.add_argument("--turns", type=count(1000), default=4, help="session: turns of the conversation (8 reach ~6K tokens)")
-    b.add_argument("--bandwidth-mbps", type=mbps(), default=15.0, help="session: the emulated link")
-    b.add_argument("--no-prefix-cache", action="store_true", help="session: the prefill server keeps no prefix cache")
-    b.add_argument("--bf16-whole", action="store_true", help="session: also re-ship the whole history in BF16")
-    b.add_argument("--results", metavar="FILE",
-                   help="session: also write its section of this results file (e.g. docs/results.md)")
-    b.add_argument("--out", default=BENCH_OUT,
-                   help="transfer: results folder (resumable JSONL); session: folder for its JSON and PNG "
-                        "(default runs/bench_session)")
-    b.add_argument("--model", help="transfer, session: Hub id or local path (default: embedded SmolLM2-135M-Instruct)")
-    b.add_argument("--json", action="store_true", help="print only the final JSON line")
-    b.set_defaults(fn=_bench)
-
-    c = _sub(sub, "acceptance", "accepted anchor-tier drafts, chain versus tree (20 prompts)")
-    c.add_argument("--drafts", type=tokens(0, 4096), default=31, help="draft steps before the residual lands")
-    c.add_argument("--model", help="Hub id or local path (default: embedded SmolLM2-135M-Instruct)")
-    c.add_argument("--json", action="store_true", help="print only the final JSON line")
-    c.set_defaults(fn=_acceptance)
-
-    d = _sub(sub, "demo", "prefill and decode processes over loopback TCP: BF16 / INT8 / INT4 / Lynx")
-    d.add_argument("--prompt-file", help="any text file (default: Python standard-library source)")
-    d.add_argument("--tokens", type=tokens(), default=1024, help="prompt length in tokens")
-    d.add_argument("--bandwidth-mbps", type=mbps(), default=15.0, help="link emulator, Mbit/s")
-    d.add_argument("--new-tokens", type=tokens(hi=4096), default=32, help="tokens to generate per method")
-    d.add_argument("--out", default="runs", help="folder for demo.json and demo_timeline.png")
-    d.add_argument("--model", help="Hub id or local path (default: embedded SmolLM2-135M-Instruct)")
-    d.add_argument("--json", action="store_true", help="print only the final JSON line")
-    d.add_argument("--do-sample", action="store_true", help="sample (temperature 0.7, seeded) instead of greedy")
-    d.add_argument("--data-plane", choices=["tcp", "nixl"], default="tcp",
-                   help=f"the segments' bytes over the TCP channel or by NIXL ({NIXL_EXTRA}; pinned to loopback "
-                        f"TCP unless $UCX_TLS / $UCX_NET_DEVICES are set)")
-    d.set_defaults(fn=_demo)
-
-    r = _sub(sub, "results", "the paper's table by KV mode: wire, TTFT/TT32T, RULER, MMLU-Pro (docs/results.md, "
-                             "docs/results.json); reads MMLU-Pro (README, Data)")
-    r.add_argument("--questions", type=count(1 << 20), default=500, help="MMLU-Pro questions per context length")
-    r.add_argument("--contexts", type=tokens(), nargs="+", default=[512, 1024], help="context lengths in tokens")
-    r.add_argument("--model", help="Hub id or local path (default: embedded SmolLM2-135M-Instruct)")
-    r.add_argument("--lynx-config", help="folder, file or Hub repo with a lynx_config.json")
-    r.add_argument("--residual-after", type=tokens(0, 4096), default=2, help="Lynx: residual lands after this many draft steps")
-    r.add_argument("--ruler-samples", type=count(1 << 20, lo=0), default=50, help="RULER samples per (task, length) cell (0: no RULER)")
-    r.add_argument("--ruler-cells", nargs="+", metavar="TASK@LENGTH",
-                   help="RULER cells (default: niah_single_1, niah_multikey_2, niah_multikey_3 at 1K and 2K, "
-                        "niah_single_1 at 4K)")
-    r.add_argument("--no-demo", action="store_true", help="skip the two-process demo (no MB/TTFT/TT32T columns)")
-    r.add_argument("--bandwidth-mbps", type=mbps(), default=15.0, help="the demo's emulated link")
-    r.add_argument("--out", default="docs/results.md", help="the Markdown table (the JSON beside it)")
-    r.add_argument("--json", action="store_true", help="print only the final JSON line")
-    r.set_defaults(fn=_results)
-
-    k = _sub(sub, "calibrate", "search the codec's settings for a model; writes lynx_config.json")
-    k.add_argument("--model", help="Hub id or local path (default: embedded SmolLM2-135M-Instruct)")
-    k.add_argument("--text", help="calibration text file (default: shared tinyshakespeare)")
-    k.add_argument("--budget", type=count(10000), default=24, help="settings to score at most")
-    k.add_argument("--contexts", type=tokens(), nargs="+", default=[512, 1024], help="calibration prompt lengths")
-    k.add_argument("--gen", type=tokens(hi=4096), default=32, help="teacher-forced tokens per prompt")
-    k.add_argument("--out", default="lynx_config", help="folder for lynx_config.json")
-    k.add_argument("--json", action="store_true", help="print only the final JSON line")
-    k.set_defaults(fn=_calibrate)
-
-    h = _sub(sub, "card", "a Hub-ready folder: model card, lynx_config.json, custom_generate/")
-    h.add_argument("--model", help="base model's Hub id (default: the embedded SmolLM2-135M-Instruct's)")
-    h.add_argument("--out", required=True, help="folder to write")
-    h.add_argument("--results", default="docs/results.md", help="results of `lynx-hf results` ('' for none)")
-    h.add_argument("--lynx-config", help="folder, file or Hub repo with a lynx_config.json (default: the defaults)")
-    h.add_argument("--residual-after", type=tokens(0, 4096), default=8, help="custom_generate's local residual schedule")
-    h.add_argument("--push", metavar="REPO", help="upload the folder to this Hub repo")
-    h.set_defaults(fn=_card)
-
-    s = _sub(sub, "simulate", "analytic TTFT / TT32T model fitted to the paper, then extrapolated")
-    s.add_argument("--acceptance", type=number(0, 1), default=24.3 / 31,
-                   help="fraction of draft steps kept (default: the tree's, lynx-hf acceptance)")
-    s.add_argument("--json", action="store_true", help="print only the final JSON line")
-    s.set_defaults(fn=_simulate)
-
-    from lynx_hf.transfer import commands  # serve-prefill, serve-decode
-
+    for add in COMMANDS:
+        add(sub)
     commands.register(sub)
     return p
 

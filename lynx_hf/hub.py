@@ -28,9 +28,13 @@ def hub_generate(model, lynx_config: dict, inputs=None, residual_after_steps: in
     if ids is None:
         raise ValueError("Lynx custom_generate needs the prompt's input_ids")
     kw = {k: v for k, v in kwargs.items() if v is not None}
-    # whatever speculative_generate cannot honour it refuses itself (an assistant model, beams, ...), as on the
-    # callable path; a streamer that takes drafts gets them
-    if hasattr(kw.get("streamer"), "put_provisional") and "lynx_streamer" not in kw:
+    # whatever speculative_generate cannot honour it refuses itself (beams, ...), as on the callable path; two
+    # arguments Transformers would keep from a callable custom_generate are handled here: the streamer becomes its
+    # lynx_streamer (the prompt, the verified tokens, end(); the drafts too if it takes them), an assistant refused
+    if kw.get("assistant_model") is not None:
+        raise ValueError("speculative_generate drafts on the anchor tier itself: assistant_model (assisted decoding) "
+                         "cannot be combined with it; pass one or the other")
+    if "streamer" in kw and "lynx_streamer" not in kw:
         kw["lynx_streamer"] = kw.pop("streamer")
     kw.pop("synced_gpus", None)
     if kw.get("stop_strings"):  # a callable custom_generate never gets the tokenizer: build the criterion here

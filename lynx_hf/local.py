@@ -3,7 +3,10 @@
 `prefill` runs the forward pass and keeps, per layer, the prompt KV that layer needs (`PromptCapture`: all P
 positions for full attention, the last min(P, W) for a sliding window W) and the last position's logits.
 `InProcessLoader` encodes that KV and delivers it to a LynxCache in this process on a step-count or
-bandwidth-simulated schedule (anchor first); the network path (lynx_hf.transfer) is the other way to fill a cache."""
+bandwidth-simulated schedule (anchor first); the network path (lynx_hf.transfer) is the other way to fill a cache.
+`from_prefill`, `from_kv` and `add_turn` build or extend a LynxCache from such a prefill (they are LynxCache's
+classmethods of the same names, registered in `PREFILL_SIDE`); `extend_here` appends a turn's new positions
+computed on the decode side itself."""
 from __future__ import annotations
 
 import inspect
@@ -14,7 +17,10 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .arch import held_positions, layer_windows
+from .arch import layer_windows, media_inputs, media_key, refuse_encoder_decoder, refuse_media_positions, window_positions
+from .cache import LynxCache  # lynx_hf.LynxCache: imported from here, so its constructors are registered
+from .cache.conversation import encoded_key
+from .cache.lynx_cache import PREFILL_SIDE
 from .config import LynxQuantConfig
 from .errors import ConfigError
 from .link import LinkEmulator
@@ -34,7 +40,7 @@ class PromptCapture(DynamicCache):
     def __init__(self, config, on_layer, prompt_len: int, ship_from: int = 0, keep: bool = False):
         super().__init__(config=config)
         self.on_layer, self.prompt_len, self.ship_from = on_layer, prompt_len, ship_from
-        self.held = [held_positions(prompt_len, w) for w in layer_windows(config)]
+        self.held = [window_positions(prompt_len, w) for w in layer_windows(config)]
         self.seen = [0] * len(self.held)
         self.keep = keep
         self.kept: list = [[] for _ in self.held]  # passes of layers `span` cannot read back (keep only)
@@ -213,3 +219,103 @@ class InProcessLoader(Loader):
 
     def close(self) -> None:
         self._stop.set()
+
+
+# -- LynxCache's in-process constructors (registered as LynxCache.from_prefill / from_kv / add_turn) -----------------
+def from_prefill(cls, model, input_ids: torch.Tensor, quant_config: LynxQuantConfig | None = None,
+                 residual_after_steps: int | None = None, attention_mask: torch.Tensor | None = None,
+                 spec_config=None, bandwidth_bps: float | None = None, *,
+                 residual_after_tokens: int | None = None, **media):
+    """Prefill locally in full precision, encode each layer's KV, and return (cache, first_token [B, 1]) with the
+    prefill's logits in the cache (first_token is their argmax, for callers that append it themselves).
+    Without attention_mask, pad tokens in the prompt are masked as `generate` masks them (pad_token_id of the
+    model's generation config, when it is not an EOS id); generate must then get the same prompt and mask.
+    The anchor lands at once; the residual after `residual_after_steps` draft steps (None: at once; the older
+    name `residual_after_tokens` is a deprecated alias), or, with bandwidth_bps (bits/s), both stream over a
+    simulated link in a background thread. `media`: the prompt's images / audio as the model takes them
+    (pixel_values, image_sizes, ...): they run in the prefill, and generate must get the same ones or none."""
+    refuse_encoder_decoder(model)
+    other = sorted(set(media) - set(media_inputs(media)))
+    if other:
+        raise ValueError(f"from_prefill got unexpected arguments {other} (besides its own it takes a model's media "
+                         f"inputs: pixel_values, image_sizes, image_grid_thw, input_features, ...)")
+    refuse_media_positions(model, media)
+    if attention_mask is None:  # as generate infers it: pad tokens (pad != eos) are masked
+        attention_mask = generate_mask(model, input_ids)
+    kv, logits = prefill(model, input_ids, attention_mask, **media)
+    cache = from_kv(cls, model, input_ids.shape[1], kv, logits, quant_config, residual_after_steps, spec_config,
+                    bandwidth_bps, residual_after_tokens=residual_after_tokens)
+    cache.conversation.expect_prompt(input_ids, attention_mask)
+    cache.conversation.media_key = media_key(media_inputs(media))
+    cache.conversation.encoded_key = encoded_key(image_features(model, media))
+    return cache, logits.argmax(-1, keepdim=True)
+
+
+@torch.no_grad()
+def image_features(model, media: dict) -> dict:
+    """What Transformers' generate encodes ahead from `media` and passes its forwards as `mm_encoder_outputs` (a
+    model's public `get_image_features` / `get_video_features`, given the inputs it names), so that a generate's
+    images can be compared with the prefill's after Transformers has consumed the pixels. {} for other models."""
+    if not media or "mm_encoder_outputs" not in inspect.signature(model.forward).parameters:
+        return {}
+    out = {}
+    for modality in ("image", "video"):
+        fn = getattr(model.base_model, f"get_{modality}_features", None)
+        if fn is None or modality not in getattr(model, "input_modalities", ()):
+            continue
+        kw = {k: media[k] for k in inspect.signature(fn).parameters if k != "kwargs" and k in media}
+        if any(k in kw for k in ("pixel_values", "pixel_values_images", "pixel_values_videos", "image_patches")):
+            out[modality] = fn(**kw, return_dict=True)
+    return out
+
+
+def from_kv(cls, model, prompt_len: int, kv, logits: torch.Tensor, quant_config: LynxQuantConfig | None = None,
+            residual_after_steps: int | None = None, spec_config=None, bandwidth_bps: float | None = None, *,
+            residual_after_tokens: int | None = None):
+    """A cache of a `prompt_len`-token prompt fed by an InProcessLoader from `prefill`'s output (the KV each layer
+    needs, the last position's logits), e.g. to decode one prefill several times."""
+    refuse_encoder_decoder(model)
+    windows = layer_windows(model.config)
+    cache = cls(len(windows), prompt_len, quant_config, spec_config, dtype=kv[0][0].dtype, device=kv[0][0].device,
+                sliding_windows=windows).bind(model)
+    cache.put_logits(logits)
+    InProcessLoader(kv, cache.quant_config, residual_after_steps, bandwidth_bps,
+                    residual_after_tokens=residual_after_tokens).attach(cache)
+    return cache
+
+
+def add_turn(model, cache, input_ids: torch.Tensor, residual_after_steps: int | None = None,
+             bandwidth_bps: float | None = None) -> torch.Tensor:
+    """The in-process prefill node's answer to a new turn of the conversation `cache` holds: it prefills
+    `input_ids` [1, L] in full precision (as a prefill server recomputes what it never saw) and ships only the new
+    positions [held, L), anchor first, with the last position's logits; the held KV stays. Then
+    `model.generate(input_ids, cache=cache, custom_generate=speculative_generate)` drafts on the held prefix plus
+    the new range's anchor and verifies once its residual lands (schedule as in `from_prefill`). Returns the
+    first token [1, 1] (the logits' argmax)."""
+    start = cache.conversation.continue_turn(input_ids)
+    kv, logits = prefill(model, input_ids)
+    cache.conversation.begin_range(input_ids)
+    P = cache.prompt_len
+    kv = [(k[:, :, k.shape[2] - (P - l.store.offset):], v[:, :, v.shape[2] - (P - l.store.offset):])
+          for (k, v), l in zip(kv, cache.layers)]  # each layer's positions of the range
+    cache.put_logits(logits)
+    InProcessLoader(kv, cache.quant_config, residual_after_steps, bandwidth_bps).attach(cache)
+    cache.trace.stats.held_tokens = start
+    return logits.argmax(-1, keepdim=True)
+
+
+@torch.no_grad()
+def extend_here(model, cache, input_ids: torch.Tensor, start: int) -> None:
+    """Run the new positions [start, L) of `input_ids` through `model` on `cache` (after `continue_turn`), as
+    Transformers does with its own caches: their KV joins the held KV in full precision and the last position's
+    logits become the turn's first-token logits. The cache then serves `input_ids` as a fresh prompt."""
+    L = input_ids.shape[1]
+    kw = {}
+    if "position_ids" in inspect.signature(model.forward).parameters:
+        kw["position_ids"] = torch.arange(start, L, device=input_ids.device)[None]
+    out = model(input_ids=input_ids[:, start:], cache=cache, use_cache=True, logits_to_keep=1, **kw)
+    cache.conversation.begin_range(input_ids, extend=True)
+    cache.prefill_logits = out.logits[:, -1]
+
+
+PREFILL_SIDE.update(from_prefill=from_prefill, from_kv=from_kv, add_turn=add_turn)

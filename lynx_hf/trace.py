@@ -9,8 +9,32 @@ import time
 from dataclasses import dataclass, field
 
 
+class DictReads:
+    """A dataclass that reads like a dict too (`r["key"]`, `r.get`, `"key" in r`, `dict(r)`, `r.as_dict()`)."""
+
+    def __getitem__(self, key: str):
+        if key not in self.keys():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def get(self, key: str, default=None):
+        return getattr(self, key, default) if key in self.keys() else default
+
+    def keys(self) -> list[str]:
+        return [f.name for f in dataclasses.fields(self)]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.keys()
+
+    def items(self):
+        return [(k, getattr(self, k)) for k in self.keys()]
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
 @dataclass
-class Stats:
+class Stats(DictReads):
     """What one generation did. A draft *step* is one forward pass on the anchor tier (a chain step drafts one token
     per row, a tree step a frontier of nodes). Reads like a dict too (`stats["accepted"]`, `dict(stats)`)."""
 
@@ -27,23 +51,6 @@ class Stats:
     residual_at_s: float | None = None    # the last residual segment landed (negative: before t0)
     held_tokens: int = 0             # a continued turn: tokens whose KV the cache held already (not shipped)
     held_refused: str | None = None  # the prefill side refused what the cache claimed to hold: the whole shipped
-
-    def __getitem__(self, key: str):
-        if key not in self.keys():
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def get(self, key: str, default=None):
-        return getattr(self, key, default) if key in self.keys() else default
-
-    def keys(self) -> list[str]:
-        return [f.name for f in dataclasses.fields(self)]
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.keys()
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 class Trace:

@@ -2,7 +2,7 @@
 import torch
 from transformers import DynamicCache
 
-from lynx_hf.quant import decode, encode
+from lynx_hf.quant import dequantize as decode, encode
 
 
 @torch.no_grad()

@@ -86,7 +86,7 @@ def test_a_slow_reader_is_held_to_its_in_flight_bound_and_the_compute_never_wait
 
     monkeypatch.setattr(Transport, "start_send", watch)
     bound = 4096
-    srv = S.PrefillServer(tiny, secret=SECRET, bandwidth_bps=0.2e6, prefill_chunk=128, max_inflight_mb=bound / 2**20)
+    srv = S.PrefillServer(tiny, secret=SECRET, bandwidth_bps=0.2e6, prefill_step=128, max_inflight_mb=bound / 2**20)
     srv.start()
     ref_srv = S.PrefillServer(tiny, secret=SECRET).start()
     try:
@@ -168,20 +168,25 @@ def test_the_server_states_its_memory_bounds(tiny, caplog):
 
 
 # -- operator and client input -------------------------------------------------------------------------------------
-ZERO_OK = {("bench", "--links"), ("acceptance", "--drafts"), ("results", "--residual-after"),
-           ("results", "--ruler-samples"), ("card", "--residual-after"), ("simulate", "--acceptance"),
-           ("serve-prefill", "--latency-ms"), ("serve-prefill", "--prefix-cache-mb")}
-REQUIRED = {"bench": ["codec"], "card": ["--out", "x"], "serve-decode": ["--prefill", "127.0.0.1:1"]}
+ZERO_OK = {("bench transfer", "--links"), ("bench server-memory", "--prefix-cache-mb"), ("acceptance", "--drafts"),
+           ("results", "--residual-after"), ("results", "--ruler-samples"), ("card", "--residual-after"),
+           ("simulate", "--acceptance"), ("serve-prefill", "--latency-ms"), ("serve-prefill", "--prefix-cache-mb")}
+REQUIRED = {"card": ["--out", "x"], "serve-decode": ["--prefill", "127.0.0.1:1"]}
 
 
 def numeric_flags():
+    """(command, action) of every numeric flag, `bench`'s benchmarks included ("bench codec", ...)."""
     from lynx_hf.cli import build_parser
 
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    for cmd, p in sub.choices.items():
+    def walk(p, cmd):
         for a in p._actions:
-            if a.option_strings and a.type not in (None, str) and a.nargs != 0:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, q in a.choices.items():
+                    yield from walk(q, f"{cmd} {name}".strip())
+            elif a.option_strings and a.type not in (None, str) and a.nargs != 0:
                 yield cmd, a
+
+    yield from walk(build_parser(), "")
 
 
 def test_every_numeric_flag_goes_through_the_one_validator():
@@ -198,7 +203,7 @@ def test_every_numeric_flag_refuses_bad_values_in_one_line_at_parse_time(value, 
 
     for cmd, a in numeric_flags():
         flag = a.option_strings[-1]
-        argv = [cmd, *REQUIRED.get(cmd, []), flag, value]
+        argv = [*cmd.split(), *REQUIRED.get(cmd, []), flag, value]
         if value == "0" and (cmd, flag) in ZERO_OK:
             build_parser().parse_args(argv)  # 0 means something here ("off", "no emulation", ...)
             continue

@@ -7,7 +7,7 @@ import torch
 
 from lynx_hf import LoaderError, LynxCache, LynxQuantConfig as Q
 from lynx_hf.local import InProcessLoader, anchor_only, encode_layers
-from lynx_hf.quant import decode
+from lynx_hf.quant import dequantize as decode
 
 
 def kv(L=2, B=2, H=3, S=70, D=16, seed=0):
@@ -105,7 +105,7 @@ def test_bandwidth_schedule_sends_anchor_first():
     InProcessLoader(kv(), Q(), bandwidth_bps=16e6).attach(cache)
     cache.wait_anchors(timeout=10)
     cache.wait_residual(timeout=10)
-    kinds = [e[1] for e in cache.events]
+    kinds = [e[1] for e in cache.trace.events]
     assert kinds == ["anchor"] * 4 + ["residual"] * 4
 
 
@@ -272,7 +272,7 @@ def test_codes_cross_devices_and_dequantized_kv_does_not(monkeypatch):
     assert sum(n for dt, n in crossings if dt == torch.uint8) == sum(
         s.anchor.numel() + s.residual.numel() for pair in splits for s in pair)
     assert dequantized == [("meta", "meta")] * 4 and cache.layers[0].keys.device.type == "meta"
-    assert cache.staged_bytes() == sum(s.nbytes("full") for pair in splits for s in pair)
+    assert cache.nbytes("staged") == sum(s.nbytes("full") for pair in splits for s in pair)
 
 
 def test_batch_maps_refuse_while_the_residual_streams():

@@ -2,7 +2,7 @@
 client and server (flip, drop, duplicate, reorder, replay, truncate frames), kill -9 of the server mid-anchor,
 mid-residual and after the anchors before the logits, and a client killed mid-stream. For each: no token computed
 from unverified KV is ever final, the error is one clear line, and whoever survives returns to its baseline of
-threads and descriptors (the pre-authentication flood and the slow TLS handshake are in test_hostile.py)."""
+threads and descriptors (the pre-authentication flood and the slow TLS handshake are in test_server_hostile_peers.py)."""
 import os
 import re
 import signal

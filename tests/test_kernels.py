@@ -42,8 +42,8 @@ def test_triton_matches_reference(cfg, dtype, S):
     tri = L.encode(x, cfg, "key", k)
     assert torch.equal(ref.anchor, tri.anchor) and torch.equal(ref.residual, tri.residual)
     for tier in ("anchor", "full"):
-        a = L.decode(ref, tier).float()
-        b = L.decode(ref, tier, k).float()
+        a = L.dequantize(ref, tier).float()
+        b = L.dequantize(ref, tier, k).float()
         tol = 1e-6 * a.abs() + 1e-7 + ULP[dtype] * a.abs()
         assert ((a - b).abs() <= tol).all(), float((a - b).abs().max())
 
@@ -56,7 +56,7 @@ def test_compiled_cpu_path_matches_reference():
         ref = L.encode(x, cfg, "key")
         fused = L.encode(x, cfg, "key", k)
         assert torch.equal(ref.anchor, fused.anchor) and torch.equal(ref.residual, fused.residual)
-        assert torch.allclose(L.decode(ref, "full"), L.decode(ref, "full", k), rtol=1e-6, atol=1e-7)
+        assert torch.allclose(L.dequantize(ref, "full"), L.dequantize(ref, "full", k), rtol=1e-6, atol=1e-7)
 
 
 # ---- C kernels (CPU): bit-identical to the torch twins, in both builds ----
@@ -97,7 +97,7 @@ def test_c_kernels_match_reference_exactly(c_kernels, cfg, dtype, shape):
             for name in ref.meta:
                 assert ref.meta[name].dtype == got.meta[name].dtype and torch.equal(ref.meta[name], got.meta[name])
         for tier in ("anchor", "full"):
-            a, b = L.decode(ref, tier), L.decode(ref, tier, c_kernels)
+            a, b = L.dequantize(ref, tier), L.dequantize(ref, tier, c_kernels)
             assert a.dtype == b.dtype and torch.equal(a, b), tier
 
 

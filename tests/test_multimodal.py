@@ -110,8 +110,8 @@ def test_encoder_decoders_are_refused_in_one_line_everywhere(name, model):
         LynxCache.from_prefill(model, ids)
     with pytest.raises(ValueError, match=says):
         hub_generate(model, Q().to_dict(), ids, max_new_tokens=2)  # the Hub folder's generate
-    cache = LynxCache(1, 16)  # a cache built by hand for it: refused at generate's start, both paths
-    inputs = {"input_features": torch.randn(1, 8, 32)} if name == "whisper" else {"input_ids": ids}
-    for custom in (SPEC, {}):
-        with pytest.raises(ValueError, match=says):
+    cache = LynxCache(1, 16)  # a cache built by hand for it: refused at generate's start, both paths (plain: a
+    inputs = {"input_features": torch.randn(1, 8, 32)} if name == "whisper" else {"input_ids": ids}  # hand-built
+    for custom in (SPEC, {}):  # cache names no model, and binding one to it refuses it)
+        with pytest.raises(ValueError, match=says if custom else f"{says}|needs a LynxCache that knows its model"):
             model.generate(**inputs, cache=cache, max_new_tokens=2, **custom)

@@ -63,19 +63,19 @@ def test_shape_dtype_determinism_any_length(cfg, S, dtype):
     s1, s2 = quant.encode(x, cfg), quant.encode(x, cfg)
     assert torch.equal(s1.anchor, s2.anchor)
     for tier in ("anchor", "full"):
-        a, b = quant.decode(s1, tier), quant.decode(s2, tier)
+        a, b = quant.dequantize(s1, tier), quant.dequantize(s2, tier)
         assert a.shape == x.shape and a.dtype == x.dtype
         assert torch.equal(a, b)
     if cfg.method == "identity":
-        assert torch.equal(quant.decode(s1), x)
+        assert torch.equal(quant.dequantize(s1), x)
 
 
 def test_error_ordering_and_bits():
     x = kv(S=512)
     err = lambda y: float((y.float() - x).pow(2).sum() / x.pow(2).sum())
     s = quant.encode(x, Q())
-    ea, ef = err(quant.decode(s, "anchor")), err(quant.decode(s, "full"))
-    e2 = err(quant.decode(quant.encode(x, Q(method="kivi2"))))
+    ea, ef = err(quant.dequantize(s, "anchor")), err(quant.dequantize(s, "full"))
+    e2 = err(quant.dequantize(quant.encode(x, Q(method="kivi2"))))
     assert ef < ea / 50 < e2 / 50
     assert s.bits_per_value("anchor") <= 4.5 and s.bits_per_value("full") <= 8.5
     assert s.nbytes("full") - s.nbytes("anchor") == s.residual.numel() == x.numel() // 2
@@ -111,14 +111,14 @@ def test_bad_config_raises(kw, msg):
         Q(**kw)
 
 
-def test_decode_errors():
+def test_dequantize_errors():
     s = quant.encode(kv(S=8), Q())
     with pytest.raises(ValueError, match="tier"):
-        quant.decode(s, "half")
+        quant.dequantize(s, "half")
     s.residual = None
     with pytest.raises(ValueError, match="residual"):
-        quant.decode(s, "full")
-    assert quant.decode(s, "anchor").shape == (2, 3, 8, 64)
+        quant.dequantize(s, "full")
+    assert quant.dequantize(s, "anchor").shape == (2, 3, 8, 64)
 
 
 def test_config_roundtrip():
@@ -145,3 +145,66 @@ def test_fast_encode_equals_reference_encode():
     for cfg in (Q(), Q.paper()):
         a, b = quant.encode(x, cfg), quant.encode(x, cfg, reference=True)
         assert torch.equal(a.anchor, b.anchor) and torch.equal(a.residual, b.residual)
+
+
+GEOMETRIES = [(1, 3, 100, 64), (2, 2, 1, 16), (1, 1, 257, 128), (3, 4, 64, 8), (1, 2, 300, 24)]
+SHAPE_CONFIGS = ALL + [Q(key_axis="auto", value_axis="auto"), Q(chunk_size=32), Q.paper(page_size=512),
+                       Q.paper(chunk_size=16, page_size=48), Q(method="kivi4", group_size=32),
+                       Q(method="kivi2", group_size=128), Q(method="int8", group_size=10), Q(method="cachegen")]
+
+
+@pytest.mark.parametrize("cfg", SHAPE_CONFIGS, ids=lambda c: f"{c.method}-{c.key_axis}-{c.chunk_size}-{c.group_size}")
+@pytest.mark.parametrize("geom", GEOMETRIES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_stream_shapes_equal_a_real_encode(cfg, geom, dtype):
+    """`stream_shapes` (no encode) gives exactly the tensors an encode of that geometry produces: every shape, dtype
+    and byte count, both tiers (tolerance 0); a coded anchor (CacheGen) within its bound."""
+    if cfg.method == "kivi2" and geom[3] % 4:
+        pytest.skip("KIVI-2 packs four codes a byte")
+    x = kv(S=geom[2], B=geom[0], H=geom[1], D=geom[3], dtype=dtype)
+    for kind in ("key", "value"):
+        s = quant.encode(x, cfg, kind, layer=(0, 2))
+        want = quant.stream_shapes(cfg, kind, geom, dtype, axis=s.axis if quant.codec(cfg).split else None)
+        assert want.axis == s.axis
+        sig = lambda t: (tuple(t.shape), t.dtype)
+        assert {k: m.signature for k, m in want.meta.items()} == {k: sig(v) for k, v in s.meta.items()}
+        assert (want.residual is None) == (s.residual is None)
+        if s.residual is not None:
+            assert want.residual.signature == sig(s.residual)
+        if want.coded:
+            assert s.anchor.dtype == want.anchor.dtype and s.anchor.dim() == 1
+            assert s.anchor.numel() <= want.anchor.nbytes and s.nbytes("full") <= want.nbytes("full")
+        else:
+            assert want.anchor.signature == sig(s.anchor)
+            assert all(want.nbytes(t) == s.nbytes(t) for t in quant.TIERS)
+
+
+@pytest.mark.parametrize("cfg", [Q(), Q.paper(), Q(key_axis="token")], ids=lambda c: c.method + c.key_axis)
+def test_stream_shapes_follow_the_declared_axis(cfg):
+    for axis in ("channel", "token"):
+        s = quant.encode(kv(S=90), Q(**{**cfg.to_dict(), "key_axis": axis}), "key")
+        want = quant.stream_shapes(cfg, "key", (2, 3, 90, 64), torch.float32, axis=axis)
+        assert {k: m.signature for k, m in want.meta.items()} == {k: (tuple(v.shape), v.dtype) for k, v in s.meta.items()}
+
+
+@pytest.mark.parametrize("call, msg", [
+    (lambda: quant.stream_shapes(Q(), "key", (1, 3, 10), torch.float32), "rank 4"),
+    (lambda: quant.stream_shapes(Q(), "key", (1, 3, 0, 64), torch.float32), "empty"),
+    (lambda: quant.stream_shapes(Q(), "key", (1, 3, 10, 64), torch.int8), "dtype"),
+    (lambda: quant.stream_shapes(Q(), "key", (1, 3, 10, 63), torch.float32), "even"),
+    (lambda: quant.stream_shapes(Q(), "key", (1, 3, 10, 64), torch.float32, axis=""), "axis"),
+    (lambda: quant.stream_shapes(Q(key_axis="auto"), "key", (1, 3, 10, 64), torch.float32), "axis"),
+    (lambda: quant.stream_shapes(Q(), "keys", (1, 3, 10, 64), torch.float32), "kind"),
+])
+def test_stream_shapes_refuse_what_encode_refuses(call, msg):
+    with pytest.raises(ValueError, match=msg):
+        call()
+
+
+def test_decode_is_dequantize_under_its_old_name_with_a_warning():
+    s = quant.encode(kv(S=8), Q())
+    with pytest.warns(DeprecationWarning, match="dequantize"):
+        old = quant.decode(s, "anchor")
+    assert torch.equal(old, quant.dequantize(s, "anchor"))
+    with pytest.warns(DeprecationWarning, match="dequantize"):
+        assert quant.codec(Q()).decode is quant.codec(Q()).dequantize

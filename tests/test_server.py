@@ -21,7 +21,7 @@ from lynx_hf.transfer import prefill as P
 from lynx_hf.transfer import server as S
 from lynx_hf.transfer.decode import DecodeClient
 from lynx_hf.arch import fingerprint
-from lynx_hf.transfer.session import Channel, client_handshake, resolve_secret, server_handshake
+from lynx_hf.transfer.auth import Channel, client_handshake, resolve_secret, server_handshake
 from lynx_hf.transfer.transport import TcpTransport, Transport
 from lynx_hf.transfer.wire import HEADER, FrameType, PeerClosed, Stream, WireError, encode_frame, parse_frame
 

@@ -70,7 +70,7 @@ def test_three_turns_equal_transformers_multi_turn_pattern(name, custom):
     ref = hf_turns(m, turns)
     got, cache = lynx_turns(m, turns, custom)
     assert [o.tolist() for o in got] == [r.tolist() for r in ref]
-    assert cache.turns == 3
+    assert cache.conversation.turns == 3
     assert cache.held_ids.tolist()[0] == got[-1][0, :-1].tolist()  # every token but the last reply's last one
 
 

@@ -12,7 +12,7 @@ from lynx_hf import LoaderError, LynxCache, LynxQuantConfig as Q
 from lynx_hf.transfer import prefill as P
 from lynx_hf.transfer import server as S
 from lynx_hf.transfer.decode import DecodeClient, NetworkLoader
-from lynx_hf.transfer.session import Channel
+from lynx_hf.transfer.auth import Channel
 from lynx_hf.transfer.transport import InProcTransport, TcpTransport
 from lynx_hf.transfer.serde import pack_logits
 from lynx_hf.transfer.wire import FrameType, Stream, WireError, encode_frame
@@ -177,7 +177,7 @@ def _loader_over_inproc(frames):
     return cache
 
 
-def _chunks():
+def _segments():
     from lynx_hf.quant import encode
     from lynx_hf.transfer.serde import pack_segment
 
@@ -189,14 +189,14 @@ def _chunks():
 
 @pytest.mark.parametrize("order,msg", [((0, 0), "duplicated"), ((1,), "out-of-order"), ((0, 2), "duplicated")])
 def test_duplicated_and_reordered_frames_fail_the_cache(order, msg):
-    fr = _chunks()
+    fr = _segments()
     cache = _loader_over_inproc([fr[i] for i in order])
     with pytest.raises(LoaderError, match=msg):
         cache.wait_anchors(timeout=5)
 
 
 def test_silent_peer_times_out():
-    cache = _loader_over_inproc([_chunks()[0]])
+    cache = _loader_over_inproc([_segments()[0]])
     t = time.monotonic()
     with pytest.raises(LoaderError, match="no frame"):
         cache.wait_anchors(timeout=10)

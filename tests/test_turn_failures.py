@@ -89,20 +89,20 @@ def test_an_over_long_turn_and_max_new_tokens_0_are_refused_before_anything_is_s
     cli.close()
 
 
-def failure(kind: str, monkeypatch, cli):
+def failure(kind: str, monkeypatch, cli, server):
     """Make the next turn fail as `kind` says; returns (the exception, what it says, a hook run after it)."""
     if kind == "refused":  # the server's context is smaller than the client's (the client checks its own)
-        monkeypatch.setattr(P, "max_prompt_tokens", lambda model: 200)
+        monkeypatch.setattr(server.node, "context", 200)
         return WireError, "exceeds this model's context of 200 tokens", None
     if kind == "peer gone":  # the connection breaks after the first layer's segments
-        sent = P.send_layer
+        sent = P._Prefill.send_layer
 
-        def dies(ch, rid, cfg, layer, *a, **k):
+        def dies(request, layer, *a, **k):
             if layer == 1:
-                ch.t.sock.shutdown(2)
-            return sent(ch, rid, cfg, layer, *a, **k)
+                request.ch.t.sock.shutdown(2)
+            return sent(request, layer, *a, **k)
 
-        monkeypatch.setattr(P, "send_layer", dies)
+        monkeypatch.setattr(P._Prefill, "send_layer", dies)
         return LoaderError, "peer closed the connection", None
     cli.timeout, hold, real = 0.5, threading.Event(), P.serve_request  # "timeout": a silent server
     monkeypatch.setattr(P, "serve_request", lambda *a, **k: hold.wait(10) and real(*a, **k))
@@ -113,7 +113,7 @@ def failure(kind: str, monkeypatch, cli):
 def test_a_failed_turn_leaves_the_conversation_for_a_new_connection(tiny, server, monkeypatch, kind):
     cli, sess, conv = first_turn(tiny, server)
     before = snapshot(sess.cache)
-    exc, says, after = failure(kind, monkeypatch, cli)
+    exc, says, after = failure(kind, monkeypatch, cli, server)
     t0 = time.monotonic()
     with pytest.raises(exc, match=says):
         sess.generate(conv)

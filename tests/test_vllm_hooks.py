@@ -91,7 +91,7 @@ def test_stream_tiers_equal_the_codec_exactly(method):
                     if split:
                         assert torch.equal(got["anchor"][(i, kind, off)], dequantize(s, "anchor"))
         assert not split or sub.arrived_at["anchor"] <= sub.arrived_at["full"]
-        _wait(lambda: pub.held_bytes == 0)  # streamed once, then dropped
+        _wait(lambda: pub.stored_bytes == 0)  # streamed once, then dropped
     finally:
         pub.close()
 
@@ -123,13 +123,13 @@ def test_publisher_holds_at_most_its_bound_and_evicts_unclaimed_first():
     pub = KVPublisher("127.0.0.1", 0, SECRET, FP)
     try:
         pub.publish("a", cfg, spec, "d", _kv(P))
-        one = pub.held_bytes
+        one = pub.stored_bytes
         pub.max_bytes = int(one * 1.5)
         pub.publish("b", cfg, spec, "d", _kv(P, 1))  # evicts "a" (unclaimed) to fit
-        assert pub.held_bytes == one and list(pub._entries) == ["b"]
+        assert pub.stored_bytes == one and list(pub._entries) == ["b"]
         pub.max_bytes = one // 2
         pub.publish("c", cfg, spec, "d", _kv(P, 2))  # larger than the whole bound: dropped, never held
-        assert pub.held_bytes <= pub.max_bytes and "c" not in pub._entries
+        assert pub.stored_bytes <= pub.max_bytes and "c" not in pub._entries
     finally:
         pub.close()
 
@@ -162,7 +162,7 @@ def test_params_are_validated():
             parse_params(bad)
 
 
-def test_scheduler_side_asks_for_the_prompt_and_saves_when_its_last_chunk_runs():
+def test_scheduler_side_asks_for_the_prompt_and_saves_when_its_last_prefill_step_runs():
     s = SchedulerSide("kv_consumer")
     ids = list(range(101))
     assert s.matched("r", ids, _consume("full"), 0) == (100, True)
@@ -181,7 +181,7 @@ def test_scheduler_side_asks_for_the_prompt_and_saves_when_its_last_chunk_runs()
     p = SchedulerSide("kv_producer")
     prod = {"lynx": {"role": "produce", "xfer": "y", "method": "int8"}}
     p.allocated("q", list(range(300)), prod, [1, 2], 0)
-    assert p.step_meta([("q", [1, 2, 3], 0)], [], {"q": 200}).saves == []  # chunked: not the last chunk
+    assert p.step_meta([("q", [1, 2, 3], 0)], [], {"q": 200}).saves == []  # prefilled in steps: not the last one
     saves = p.step_meta([], [("q", [9], 200)], {"q": 100}).saves
     assert [(x.xfer, x.prompt_len, x.block_ids) for x in saves] == [("y", 300, [1, 2, 3, 9])]
 

@@ -1,4 +1,4 @@
-"""Wire format and chunk serde: exact round trips (tolerance 0), and every malformed input → WireError."""
+"""Wire format and segment serde: exact round trips (tolerance 0), and every malformed input → WireError."""
 import struct
 
 import pytest
@@ -57,7 +57,7 @@ def test_json_payload_must_be_an_object():
 
 @pytest.mark.parametrize("cfg", [Q(), Q(key_axis="token"), Q.paper(), Q(method="kivi4"), Q(method="int8"),
                                  Q(method="bf16"), Q(method="identity")], ids=lambda c: c.method + c.key_axis)
-def test_chunk_serde_roundtrip_exact(cfg):
+def test_segment_serde_roundtrip_exact(cfg):
     x = torch.randn(1, 3, 100, 64)
     s = encode(x, cfg, "key")
     layer, kind, axis, start, count, t = unpack_segment(pack_segment(4, "key", 256, s, False))
@@ -70,7 +70,7 @@ def test_chunk_serde_roundtrip_exact(cfg):
         assert torch.equal(check_residual(tr, cfg, "key", axis, (1, 3, 100, 64), torch.float32), s.residual)
 
 
-def test_chunk_with_wrong_shapes_is_refused():
+def test_a_segment_with_wrong_shapes_is_refused():
     s = encode(torch.randn(1, 3, 100, 64), Q(), "key")
     *_, axis, _, _, t = unpack_segment(pack_segment(0, "key", 0, s, False))
     with pytest.raises(WireError, match="do not match"):
@@ -103,7 +103,7 @@ def test_fuzz_every_mutated_frame_is_rejected(pos, flip, extra):
 
 
 def _authenticated_pair():
-    from lynx_hf.transfer.session import Channel
+    from lynx_hf.transfer.auth import Channel
     from lynx_hf.transfer.transport import InProcTransport
 
     a, b = InProcTransport.pair()
@@ -136,7 +136,7 @@ def test_frame_macs_reject_forgery_reflection_and_untagged_frames():
 
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=400))
-def test_fuzz_chunk_payloads(data):
+def test_fuzz_segment_payloads(data):
     try:
         unpack_segment(data)
     except WireError:

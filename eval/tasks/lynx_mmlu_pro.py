@@ -104,7 +104,7 @@ ANSWER_LEAD = "Answer: The answer is ("
 @functools.cache
 def _tokenizer(name: str | None):
     """The tokenizer of a Hub id or folder; None or the embedded model's name: the embedded model's (cached)."""
-    from lynx_hf.model import EMBEDDED, default_tokenizer
+    from lynx_hf.model import EMBEDDED, default_tokenizer  # internal: the embedded model's name and tokenizer
 
     if name in (None, EMBEDDED):
         return default_tokenizer()

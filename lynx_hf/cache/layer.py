@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..arch import held_positions
+from ..arch import window_positions as held_positions  # (the window's kept positions: arch.window_positions)
 from ..quant import dequantize
 from .store import KINDS, PromptStore
 

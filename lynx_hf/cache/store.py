@@ -105,3 +105,9 @@ class PromptStore:
                 if seg.residual is not None:
                     seg.residual = fn(seg.residual)
                 seg.shape = (seg.anchor.shape[0], *seg.shape[1:])
+
+
+def complete(layers, stream: str) -> bool:
+    """Every given layer's (LynxLayer's) anchor — or residual — stream is in; the caller holds the cache's lock."""
+    done = (lambda s: s.anchors_complete()) if stream == "anchor" else (lambda s: s.residual_complete())
+    return all(done(l.store) for l in layers)

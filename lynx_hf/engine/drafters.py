@@ -121,7 +121,7 @@ class ChainDrafter(Drafter):
 class TreeDrafter(Drafter):
     def __init__(self, state: DecodeState):
         super().__init__(state)
-        spec = state.cache.spec_config
+        spec = state.spec
         self.spec = spec
         dev = state.seq.device
         self.tree = Tree.empty(state.B, dev)

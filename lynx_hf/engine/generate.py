@@ -12,39 +12,26 @@ full-tier KV (greedy and every deterministic option), or follow its distribution
 budget, the policy, stopping, streaming and telemetry; the drafters own their passes and their acceptance."""
 from __future__ import annotations
 
-import sys
 import time
 
 from ..arch import refuse_encoder_decoder
 from ..cache import LynxCache
+from ..config import SpecConfig
+from ..local import extend_here
 from .drafters import ChainDrafter, TreeDrafter
 from .policy import DraftPolicy
 from .state import DecodeState
 from .support import drafting, refuse_model, refuse_options, warn_narrowed
 
 
-def _callers(name: str):
-    """An argument the caller gave Transformers' generate that it keeps from a callable custom_generate (`streamer`,
-    `assistant_model`), found in generate's frame; None if there was none or the frame is not found."""
-    f = sys._getframe(2)
-    for _ in range(12):
-        if f is None:
-            return None
-        if f.f_code.co_name == "generate" and f.f_globals.get("__name__") == "transformers.generation.utils":
-            return f.f_locals.get(name)
-        f = f.f_back
-    return None
-
-
 class _Streams:
-    """Where tokens go. `given`: the caller's `generate(streamer=...)`, which Transformers has already handed the
-    prompt (`n_in` columns); `lynx`: a `lynx_streamer=`, which gets the prompt here and, if it takes them, the
-    provisional drafts. Both get every verified column once, in order, and `end()` however generation ends."""
+    """Where tokens go: `lynx` (a `lynx_streamer=`) and `given` (a `streamer=` when speculative_generate is called
+    directly). Both get the prompt, then every verified column once, in order, and `end()` however generation ends;
+    a `lynx` streamer that takes them also gets the provisional drafts."""
 
-    def __init__(self, given, lynx, n_in: int, P: int):
+    def __init__(self, given, lynx):
         self.given, self.lynx = given, lynx
         self.all = [x for x in (given, lynx) if x is not None]
-        self._skip = 1 + max(0, n_in - P)  # puts the given streamer has had already: the prompt (+ a first token)
         self._ended = False
 
     @property
@@ -53,9 +40,7 @@ class _Streams:
 
     def put(self, value) -> None:
         for st in self.all:
-            if st is not self.given or self._skip <= 0:
-                st.put(value)
-        self._skip -= 1
+            st.put(value)
 
     def put_provisional(self, value) -> None:
         self.lynx.put_provisional(value)
@@ -71,15 +56,17 @@ class _Streams:
 
 
 def speculative_generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                         synced_gpus: bool = False, streamer=None, lynx_streamer=None, stop_strings=None,
-                         token_healing=None, **model_kwargs):
+                         synced_gpus: bool = False, streamer=None, lynx_streamer=None, spec_config=None,
+                         stop_strings=None, token_healing=None, **model_kwargs):
     """`custom_generate` entry point. input_ids: the prompt whose KV `cache` holds ([B, P]), or the prompt plus the
     prefill's first token ([B, P + 1]), or a conversation that extends what the cache holds. Every logits processor
-    and stopping criterion applies to the first token, to drafts and to verified tokens alike. Streaming:
-    `generate(streamer=...)` gets exactly the verified tokens plain `generate` would give it, in order, and its
-    `end()` however generation ends (an error included), so a `TextIteratorStreamer` consumer's loop always ends
-    (Transformers 5.x hands a callable only its own extra parameters, so the streamer is taken from generate's call;
-    it has had the prompt); `lynx_streamer=` also gets the provisional drafts (a SpeculativeStreamer). For the same
+    and stopping criterion applies to the first token, to drafts and to verified tokens alike. Streaming: pass
+    `lynx_streamer=` (any Transformers streamer, or a SpeculativeStreamer to see the provisional drafts too): it gets
+    the prompt, exactly the verified tokens plain `generate` would give a streamer, in order, and its `end()` however
+    generation ends (an error included), so a `TextIteratorStreamer` consumer's loop always ends. Transformers 5.x
+    hands a callable custom_generate only its own extra parameters: a `streamer=` given to `generate` stays with
+    Transformers, which gives it the prompt and nothing more (README, "Streaming"); an `assistant_model=` is dropped
+    there too. Drafting settings: `spec_config=` (a SpecConfig; default: the cache's). For the same
     reason `tokenizer=` never reaches a callable, so `stop_strings` (declared here, so that generate does not fail
     first) is refused with the way out: `stopping_criteria=[StopStringCriteria(tokenizer, stops)]`, which stops at
     the same tokens (the Hub folder's `generate` builds it for you). Whatever cannot equal plain `generate` stops
@@ -89,23 +76,24 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
     warning) where a model or a logits processor cannot take it. Stopping criteria see verified tokens only. Rows
     of a batch accept drafts independently (`cache.stats["accepted_per_row"]`); the scores of steps a finished,
     padded row did not run are −inf but 0 at the pad token (plain generate runs those rows on: README)."""
-    given = streamer if streamer is not None else _callers("streamer")
-    streams = _Streams(given, lynx_streamer, input_ids.shape[1], getattr(model_kwargs.get("cache"), "prompt_len",
-                                                                        input_ids.shape[1]))
-    if streamer is not None:  # called directly, not through generate: nobody gave it the prompt
-        streams._skip = 0
+    if spec_config is not None and not isinstance(spec_config, SpecConfig):
+        raise TypeError(f"spec_config must be a lynx_hf.SpecConfig, got {type(spec_config).__name__}")
+    streams = _Streams(streamer, lynx_streamer)
     try:
         return _generate(model, input_ids, logits_processor, stopping_criteria, generation_config, streams,
-                         stop_strings, token_healing, model_kwargs)
+                         spec_config, stop_strings, token_healing, model_kwargs)
     finally:
         streams.end()
 
 
-def _generate(model, input_ids, logits_processor, stopping_criteria, gc, streams: _Streams, stop_strings,
+def _generate(model, input_ids, logits_processor, stopping_criteria, gc, streams: _Streams, spec, stop_strings,
               token_healing, model_kwargs):
     cache = model_kwargs.get("cache")
     if not isinstance(cache, LynxCache):
         raise ValueError("speculative_generate needs cache=LynxCache(...) (e.g. from LynxCache.from_prefill)")
+    conv = cache.conversation
+    conv.listening = False  # generate marked the cache as given to it; this call takes it (no plain forward)
+    spec = spec or cache.spec_config
     if (gc.num_beams or 1) > 1 or (gc.num_return_sequences or 1) > 1:
         raise ValueError("speculative_generate decodes one sequence per prompt row: num_beams > 1 and "
                          "num_return_sequences > 1 are not supported")
@@ -116,31 +104,26 @@ def _generate(model, input_ids, logits_processor, stopping_criteria, gc, streams
                          "hand a callable custom_generate its tokenizer. Pass stopping_criteria=[transformers."
                          "StopStringCriteria(tokenizer, stop_strings)] instead (the same stopping points)")
     refuse_options(gc, token_healing=bool(token_healing))
-    if _callers("assistant_model") is not None:
-        raise ValueError("speculative_generate drafts on the anchor tier itself: assistant_model (assisted decoding) "
-                         "cannot be combined with it; pass one or the other")
     refuse_encoder_decoder(model)
-    cache.check_media(model_kwargs)  # their KV is in the cache: never run again here
+    conv.check_media(model_kwargs)  # their KV is in the cache: never run again here
     mask = model_kwargs.get("attention_mask")
     n_in = input_ids.shape[1]
-    if cache.continues(input_ids):
+    if conv.continues(input_ids):
         # a conversation goes on: only the new positions run here (their KV joins the held KV in full precision)
-        cache.extend_here(model, input_ids, cache.continue_turn(input_ids, mask))
-        streams._skip = 1  # the conversation so far was the given streamer's prompt
+        extend_here(model, cache, input_ids, conv.continue_turn(input_ids, mask))
     P = cache.prompt_len
     if n_in not in (P, P + 1):
         raise ValueError(f"input_ids must be the {P} prompt tokens whose KV the cache holds (optionally followed by "
                          f"the prefill's first token), got {n_in} tokens")
-    cache.check_prompt(input_ids[:, :P], None if mask is None else mask[:, :P])
+    conv.check_prompt(input_ids[:, :P], None if mask is None else mask[:, :P])
     max_length = getattr(stopping_criteria, "max_length", None)
     max_pos = None if max_length is None else \
         (P if mask is None else int(mask[:, :P].sum(-1).max())) + max_length - P - 1
     refuse_model(model, max_pos)
-    cache.start_generate()
+    conv.start_generate(cache._pinned)
     cache.trace.start()
     s = DecodeState(model, input_ids, cache, mask, logits_processor, stopping_criteria, gc,
-                    streams if streams.all else None)
-    spec = cache.spec_config
+                    streams if streams.all else None, spec)
     plan = drafting(model, logits_processor, stopping_criteria, s.do_sample, max_pos)
     if spec.draft_while_waiting and spec.max_draft_steps > 0:
         warn_narrowed(plan)
@@ -153,7 +136,7 @@ def _generate(model, input_ids, logits_processor, stopping_criteria, gc, streams
         s.resolve(0)  # provisional drafts never become final when verification did not happen
         raise
     finally:
-        cache.end_generate(s.sequences() if ok else None)  # the cache now holds the conversation (or is broken)
+        conv.end_generate(s.sequences() if ok else None)  # the cache now holds the conversation (or is broken)
         cache.trace.finish()
     ids = s.sequences()
     if gc.return_dict_in_generate:
@@ -168,7 +151,7 @@ def _generate(model, input_ids, logits_processor, stopping_criteria, gc, streams
 
 
 def _run(s: DecodeState, mode: str, bare: bool) -> None:
-    cache, spec, stats = s.cache, s.cache.spec_config, s.cache.stats
+    cache, spec, stats = s.cache, s.spec, s.cache.stats
     if s.streamer is not None:
         s.streamer.put(s.seq[:, :s.P].cpu())
     if bare:  # the first token, from the prefill's logits (no KV needed yet)
@@ -207,7 +190,7 @@ def _draft_and_verify(s: DecodeState, spec, tree: bool) -> None:
     cache, trace = s.cache, s.cache.trace
     drafter = TreeDrafter(s) if tree else ChainDrafter(s)
     budget = spec.max_draft_steps if s.max_length is None else min(spec.max_draft_steps, s.max_length - drafter.n0)
-    policy = DraftPolicy(cache)
+    policy = DraftPolicy(cache, spec.verify_lead)
     while drafter.steps < budget and drafter.can_step() and policy.another_step(nodes := drafter.next_nodes()):
         t = time.perf_counter()
         drafter.step()

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 
 class DraftPolicy:
-    def __init__(self, cache):
-        self.cache = cache
+    def __init__(self, cache, verify_lead: float):
+        self.cache, self.lead = cache, max(1.0, verify_lead)
         self.seen: list[tuple[int, float]] = []  # (nodes, seconds) of the steps so far
 
     def another_step(self, nodes: int = 1) -> bool:
@@ -18,10 +18,6 @@ class DraftPolicy:
             return False
         eta, cost = self.cache.residual_eta(), self.step_s(nodes)
         return eta is None or cost is None or eta > cost * self.lead
-
-    @property
-    def lead(self) -> float:
-        return max(1.0, self.cache.spec_config.verify_lead)
 
     def step_s(self, nodes: int) -> float | None:
         """Expected seconds of a step running `nodes` positions per row (None before the first step)."""

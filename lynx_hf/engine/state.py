@@ -26,11 +26,12 @@ from .masks import layer_masks, masked_gqa
 
 class DecodeState:
     def __init__(self, model, input_ids, cache, attention_mask, logits_processor, stopping_criteria,
-                 generation_config, streamer):
+                 generation_config, streamer, spec):
         gc = generation_config
         B, T = input_ids.shape
         P, dev = cache.prompt_len, input_ids.device
         self.model, self.cache, self.trace, self.streamer = model, cache, cache.trace, streamer
+        self.spec = spec  # SpecConfig: the drafting settings of this call
         self.lp, self.sc, self.do_sample = logits_processor, stopping_criteria, bool(gc.do_sample)
         self.P, self.B = P, B
         has_eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
@@ -238,7 +239,8 @@ class DecodeState:
         while k and not bool(valid[:, k - 1].any()):
             k -= 1
         index, valid = index[:, :k], valid[:, :k]
-        self.cache.keep_tail(start, index)
+        for l in self.cache.layers:  # each keeps positions < start and, per row, start + index[b] ([B, k])
+            l.keep_tail(start, index)
         pos = self.kv_pos[:, start:].gather(1, index)
         self.kv_valid = torch.cat([self.kv_valid[:, :start], valid], 1)
         self.kv_pos = torch.cat([self.kv_pos[:, :start], pos], 1)

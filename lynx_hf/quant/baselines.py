@@ -1,8 +1,8 @@
-"""Baselines behind the same encode/decode API: identity (lossless), BF16 passthrough, uniform INT8, KIVI-4/2.
+"""Baselines behind the same encode/dequantize API: identity (lossless), BF16 passthrough, uniform INT8, KIVI-4/2.
 
 Uniform codes are asymmetric min-max with round-to-nearest (KIVI): keys grouped per channel over `group_size`
 tokens, values per token over `group_size` channels; min and scale travel as fp16. Everything is in the anchor
-stream (no residual), so both tiers decode alike."""
+stream (no residual), so both tiers dequantize alike."""
 from __future__ import annotations
 
 import torch
@@ -46,7 +46,7 @@ def encode_uniform(x: torch.Tensor, config: LynxQuantConfig, kind: str) -> Split
     return SplitKV(config, kind, tuple(x.shape), x.dtype, payload, None, meta)
 
 
-def decode_uniform(split: SplitKV) -> torch.Tensor:
+def dequantize_uniform(split: SplitKV) -> torch.Tensor:
     bits = BITS[split.config.method]
     axis = _AXIS[split.kind]
     codes = split.anchor if bits == 8 else (unpack4(split.anchor) if bits == 4 else unpack2(split.anchor))
@@ -62,6 +62,6 @@ def encode_passthrough(x: torch.Tensor, config: LynxQuantConfig, kind: str) -> S
     return SplitKV(config, kind, tuple(x.shape), x.dtype, payload, None, {})
 
 
-def decode_passthrough(split: SplitKV) -> torch.Tensor:
+def dequantize_passthrough(split: SplitKV) -> torch.Tensor:
     dt = split.dtype if split.config.method == "identity" else torch.bfloat16
     return split.anchor.view(dt).view(split.shape).to(split.dtype)

@@ -12,7 +12,7 @@ One layer's K or V, x: [B, H, S, D], is seen as [B, S, C] with C = H·D channels
      LMCache's implementation does not delta-encode tokens against an anchor token (the paper's §5.2 variant); neither
      does this baseline.
 
-The coded stream is `SplitKV.anchor`, uint8 [N] (no residual; both tiers decode alike):
+The coded stream is `SplitKV.anchor`, uint8 [N] (no residual; both tiers dequantize alike):
     header  "CG", version, levels L = 2M + 1, chunk size, CRC-32 of everything after the header   (HEAD)
     words   uint32 [n_chunks]: coded words per chunk, chunks ordered (row, chunk)
     tables  uint8 [n_chunks, C, L]: per-channel symbol frequencies (0 = absent)
@@ -173,7 +173,7 @@ def symbols(split: SplitKV) -> tuple[torch.Tensor, int]:
     return q, levels
 
 
-def decode(split: SplitKV) -> torch.Tensor:
+def dequantize(split: SplitKV) -> torch.Tensor:
     """The SplitKV's values, [B, H, S, D] in its dtype: x̂ = (q − M)·m/M."""
     B, H, S, D = split.shape
     q, levels = symbols(split)                                      # decoded on the CPU

@@ -10,7 +10,7 @@ Hierarchy (paper notation), for x: [B, H, S, D]:
                page range, measured in docs/codec.md).
   3. α-law:    y = sign(u)·ln(1+α|u|)/ln(1+α), coded on 8 bits (see tables.py), split into a 4-bit anchor
                (MSBs) and a 4-bit residual (LSBs), each packed two a byte.
-Decoding is x̂ = γ_min + γ_scale·(μ + σ·LUT[code]). Codes depend only on u, computed the same way everywhere."""
+Dequantizing is x̂ = γ_min + γ_scale·(μ + σ·LUT[code]). Codes depend only on u, computed the same way everywhere."""
 from __future__ import annotations
 
 import math
@@ -234,7 +234,7 @@ def _axis_from_absmax(ch: torch.Tensor) -> str:
 @dataclass(frozen=True)
 class Kernels:
     """The codec's four hot ops. Every implementation (this module's torch, the Triton kernels, the C kernels)
-    provides the same four signatures with the same results; `encode` / `decode` are written over them."""
+    provides the same four signatures with the same results; `encode` / `dequantize` are written over them."""
 
     minmax: Callable = minmax
     range_stats: Callable = range_stats
@@ -277,7 +277,10 @@ def encode(x: torch.Tensor, config: LynxQuantConfig, kind: str, kernels: Kernels
     return SplitKV(config, kind, tuple(x.shape), x.dtype, anchor, residual, meta, axis)
 
 
-def decode(split: SplitKV, tier: str, kernels: Kernels = REFERENCE, out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize(split: SplitKV, tier: str, kernels: Kernels = REFERENCE,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Lynx / paper reconstruction of `split` at `tier` over `kernels` (`decode_codes`: unpack, look up,
+    de-normalise), into `out` when given."""
     cfg = split.config
     _, full, anc = tables(cfg.method, float(cfg.alpha), cfg.anchor)
     m = split.meta

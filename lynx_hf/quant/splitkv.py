@@ -1,6 +1,6 @@
 """`SplitKV`: what one encoded K or V tensor is made of, and what each tier costs on the wire.
 
-The anchor stream is the packed 4-bit MSB codes plus *all* metadata (γ, μ/σ): it alone decodes to the anchor tier.
+The anchor stream is the packed 4-bit MSB codes plus *all* metadata (γ, μ/σ): it alone dequantizes to the anchor tier.
 The residual stream is the packed 4-bit LSB codes and nothing else. Baselines keep everything in `anchor` and have
 no residual, so both tiers are the same for them."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ class SplitKV:
     config: LynxQuantConfig
     kind: str                      # "key" | "value"
     shape: tuple                   # (B, H, S, D) of the input
-    dtype: torch.dtype             # dtype of the input, restored by decode
+    dtype: torch.dtype             # dtype of the input, restored by dequantize
     anchor: torch.Tensor           # uint8 payload of the anchor stream (codes only; meta is below)
     residual: torch.Tensor | None  # uint8 packed 4-bit LSBs, or None when the method has no residual
     meta: dict = field(default_factory=dict)  # name -> tensor; travels with the anchor

@@ -2,7 +2,7 @@
 
 Encoding never evaluates a logarithm: a code is the number of thresholds at or below u (a bucketize), so every
 implementation that computes the same u (torch eager, torch.compile, Triton) yields bit-identical codes.
-Decoding is a table lookup. Notation (paper): u ∈ [-1, 1] is the chunk-normalised value,
+Dequantizing is a table lookup. Notation (paper): u ∈ [-1, 1] is the chunk-normalised value,
 y = sign(u)·ln(1+α|u|)/ln(1+α) is its companded form, and the 8-bit code c splits as c = 16·a + r."""
 from __future__ import annotations
 

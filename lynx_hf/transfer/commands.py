@@ -25,6 +25,17 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class Renamed(argparse.Action):
+    """A flag that has a new name: using it exits with one line naming the new one (argparse's status 2)."""
+
+    def __init__(self, option_strings, dest, new: str, **kw):
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kw)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.exit(2, f"{parser.prog}: error: {option_string} is now {self.new}\n")
+
+
 def _hostport(s: str, cmd: str):
     host, _, port = s.rpartition(":")
     if not host or not port.isdigit() or not 0 <= int(port) < 65536:
@@ -36,7 +47,7 @@ def _secret_or_exit(a, host: str) -> str | None:
     """The secret from --secret-file, --secret or $LYNX_SECRET; --insecure only alone and on loopback; said on
     stderr in one line."""
     from ..errors import ConfigError
-    from .session import read_secret_file, resolve_secret
+    from .auth import read_secret_file, resolve_secret
 
     try:
         if a.secret and a.secret_file:
@@ -92,7 +103,7 @@ def _serve_prefill(a):
                             tls_cert=a.tls_cert, tls_key=a.tls_key, bandwidth_bps=None if bw is None else bw * 1e6,
                             latency_s=a.latency_ms / 1e3, handshake_timeout=a.handshake_timeout,
                             max_preauth=a.max_preauth, max_preauth_per_host=a.max_preauth_per_host,
-                            idle_timeout_s=a.idle_timeout, send_timeout_s=a.send_timeout, prefill_chunk=a.prefill_chunk,
+                            idle_timeout_s=a.idle_timeout, send_timeout_s=a.send_timeout, prefill_step=a.prefill_step,
                             prefix_cache_mb=a.prefix_cache_mb, data_plane=a.data_plane,
                             max_inflight_mb=a.max_inflight_mb, max_concurrent_prefills=a.max_concurrent_prefills)
     except ConfigError as e:
@@ -215,11 +226,12 @@ def register(sub) -> None:
                    help="seconds an authenticated connection may stay without a request")
     p.add_argument("--send-timeout", type=seconds(), default=30.0,
                    help="seconds a client may leave a frame unread before its connection is dropped")
-    p.add_argument("--prefill-chunk", type=tokens(), default=1024,
+    p.add_argument("--prefill-step", type=tokens(), default=1024,
                    help="tokens per forward pass of a long prompt (a short request waits for at most one)")
+    p.add_argument("--prefill-chunk", action=Renamed, new="--prefill-step")
     p.add_argument("--prefix-cache-mb", type=megabytes("off"), default=PREFIX_CACHE_MB,
                    help="full-precision KV of prefilled prompts kept for later turns and other clients (LRU, by "
-                        "256-token chunks; 0: off)")
+                        "256-token blocks; 0: off)")
     p.add_argument("--max-inflight-mb", type=megabytes(), default=MAX_INFLIGHT_MB,
                    help="a connection's frames queued and not yet read by its client: one that stops reading stalls "
                         "its own request at this bound (in the anchor-first order within it)")

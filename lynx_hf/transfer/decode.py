@@ -13,6 +13,7 @@ import socket
 import ssl
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -23,14 +24,50 @@ from ..engine.warm import warm_up
 from ..errors import ConfigError
 from ..flags import MAX_TIMEOUT_S, seconds
 from ..loader import Loader
+from ..trace import DictReads
 from .prefix_cache import token_digest
 from . import nixl
 from .serde import check_residual, stream_bound, to_split, unpack_logits, unpack_segment, warm
-from .session import Channel, client_handshake, resolve_secret
+from .auth import Channel, client_handshake, resolve_secret
 from .transport import TcpTransport, TlsTcpTransport
 from .wire import FrameType, Stream, WireError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class TurnResult(DictReads):
+    """What `DecodeClient.generate` (and `Session.generate`) returns; reads like a dict too (`r["tokens"]`). Times
+    count from sending the request (= its arrival at the prefill process, on loopback): to the first token this
+    process produced (draft or verified), to the first verified one (= stats' ttft_verified_s), to the 32nd."""
+
+    tokens: list                 # the generated ids (the first included)
+    t0: float                    # perf_counter when the request was sent
+    cache: LynxCache             # this turn's cache: continue the conversation with it
+    held_tokens: int             # tokens the cache held already (not shipped)
+    prefix_hit: int | None       # tokens the prefill server found in its prefix cache
+    ttft_s: float | None
+    ttft_verified_s: float | None
+    tt32t_s: float | None
+    prefill_s: float | None      # the prefill server's compute time
+    stats: dict                  # lynx_hf.trace.Stats, as a dict
+    events: list                 # stream arrivals (Trace.events)
+    timeline: list               # the decode side's tokens (Trace.timeline)
+    bytes: int                   # encoded bytes received, both streams
+    anchor_bytes: int
+    h2d_bytes: int               # bytes moved onto the cache's device
+    cancelled: bool              # an early stop cancelled frames still queued
+    dropped_frames: int
+    placed_segments: int
+    loader_error: str | None
+
+    @classmethod
+    def of(cls, tokens, t0, cache, held, prefix_hit, loader) -> "TurnResult":
+        gen, ver = cache.trace.times("draft", "verified"), cache.trace.times("verified")
+        return cls(tokens, t0, cache, held, prefix_hit, gen[0], ver[0], ver[min(32, len(ver)) - 1], loader.prefill_s,
+                   cache.stats.as_dict(), list(cache.trace.events), list(cache.trace.timeline), cache.nbytes(),
+                   cache.nbytes("anchor"), cache.nbytes("staged"), loader.cancelled, loader.dropped, loader.placed,
+                   None if loader.error is None else str(loader.error))
 
 
 class NetworkLoader(Loader):
@@ -208,7 +245,7 @@ class DecodeClient:
 
     def generate(self, input_ids: list[int], quant_config: LynxQuantConfig | None = None, max_new_tokens: int = 32,
                  speculative: bool = True, spec_config: SpecConfig | None = None, cache: LynxCache | None = None,
-                 keep_cache: bool = False, **gen_kwargs) -> dict:
+                 keep_cache: bool = False, **gen_kwargs) -> TurnResult:
         """Send the prompt, receive its KV and logits, and generate `max_new_tokens` tokens (the first included)
         with any generation options (`gen_kwargs`, greedy by default). `cache`: the LynxCache of this conversation's
         previous turn (result["cache"]); `input_ids` then extends what it holds and only the new positions cross the
@@ -223,7 +260,7 @@ class DecodeClient:
         cfg = cache.quant_config if cache is not None and quant_config is None else quant_config or LynxQuantConfig()
         if cache is not None:  # the turn runs on a branch: whatever fails, `cache` stays as it was
             cache = cache.fork()
-        held = cache.continue_turn(ids) if cache is not None else 0  # waits for the last turn's residual
+        held = cache.conversation.continue_turn(ids) if cache is not None else 0  # waits for the last turn's residual
         self._rid += 1
         rid = self._rid
         warm(cfg, self.geometry, ids.shape[1], DTYPES[self.geometry["dtype"]], held)  # the receiver: no torch op
@@ -249,18 +286,21 @@ class DecodeClient:
             raise
         spec = spec_config or SpecConfig(max_draft_steps=64 if speculative else 0)
         if p["start"] == held and cache is not None:  # the new range, behind what the cache holds
-            cache.quant_config, cache.spec_config = cfg, spec
-            cache.begin_range(ids)
+            cache.quant_config = cfg
+            cache.conversation.begin_range(ids)
             cache.trace.stats.held_tokens = held
         else:  # a first turn, or a refused claim: the whole prompt into a new cache
             # waits are bounded by the loader's per-frame timeout (a silent peer fails the cache), not by the cache's
-            cache = LynxCache(p["num_layers"], p["prompt_len"], cfg, spec, dtype=DTYPES[p["dtype"]], device=ids.device,
-                              timeout_s=self.timeout + 600, sliding_windows=p["windows"]).expect_prompt(ids)
+            cache = LynxCache(p["num_layers"], p["prompt_len"], cfg, dtype=DTYPES[p["dtype"]], device=ids.device,
+                              timeout_s=self.timeout + 600, sliding_windows=p["windows"]).bind(self.model)
+            cache.conversation.expect_prompt(ids)
             cache.trace.stats.held_refused = p.get("refused")
         cache.trace.t0 = t0  # one clock: every figure of this request counts from sending it
         loader = NetworkLoader(self.ch, p, rid, self.timeout, arena).attach(cache)
         try:
-            out = self.model.generate(ids, cache=cache, custom_generate=speculative_generate,
+            if "streamer" in gen_kwargs and "lynx_streamer" not in gen_kwargs:  # Transformers would keep it
+                gen_kwargs["lynx_streamer"] = gen_kwargs.pop("streamer")
+            out = self.model.generate(ids, cache=cache, custom_generate=speculative_generate, spec_config=spec,
                                       max_new_tokens=max_new_tokens, **{"do_sample": False, **gen_kwargs})
         except BaseException as e:
             self._broken = e
@@ -271,18 +311,7 @@ class DecodeClient:
             pass  # the stream goes on after an early stop; the receiver's per-frame timeout bounds this
         if loader.error is not None:  # generation completed and verified; the connection is no longer usable
             self._broken = loader.error
-        gen, ver = cache.trace.times("draft", "verified"), cache.trace.times("verified")
-        return {"tokens": out[0, ids.shape[1]:].tolist(), "t0": t0, "cache": cache, "held_tokens": held,
-                "prefix_hit": p.get("prefix_hit"),
-                # from sending the request (= its arrival at the prefill process, on loopback) to the first token
-                # this process produced (draft or verified), the first verified one (= stats' ttft_verified_s),
-                # and the 32nd verified one
-                "ttft_s": gen[0], "ttft_verified_s": ver[0], "tt32t_s": ver[min(32, len(ver)) - 1],
-                "prefill_s": loader.prefill_s, "stats": cache.stats.as_dict(), "events": list(cache.events),
-                "timeline": list(cache.timeline), "bytes": cache.nbytes(), "anchor_bytes": cache.nbytes("anchor"),
-                "h2d_bytes": cache.staged_bytes(),
-                "cancelled": loader.cancelled, "dropped_frames": loader.dropped, "placed_segments": loader.placed,
-                "loader_error": None if loader.error is None else str(loader.error)}
+        return TurnResult.of(out[0, ids.shape[1]:].tolist(), t0, cache, held, p.get("prefix_hit"), loader)
 
     def _recv_prompt(self) -> dict:
         """The PROMPT frame's JSON, after any PROGRESS (the request waits for a working-set slot: the server is
@@ -346,7 +375,7 @@ class Session:
             raise ValueError(f"on_mismatch must be 'crop' or 'error', got {on_mismatch!r}")
         self.client, self.defaults, self.cache, self.on_mismatch = client, defaults, cache, on_mismatch
 
-    def generate(self, input_ids: list[int], **kw) -> dict:
+    def generate(self, input_ids: list[int], **kw) -> TurnResult:
         """The next turn. Transactional: it runs on a branch of the cache, which replaces `self.cache` only once the
         turn has succeeded — a refused turn, a peer gone, a timeout or a cancelled generate leaves the conversation
         exactly as it was, to go on here or, after a failed connection, on another (`reconnect`)."""

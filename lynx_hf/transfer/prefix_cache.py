@@ -2,10 +2,10 @@
 that a conversation's next turn (or another agent's copy of one system prompt) computes only the tokens past its
 longest cached prefix. And `token_digest`, what a decode node's REQUEST says it holds.
 
-Keys (after LMCache's chunked token database): a prompt is cut into `BLOCK`-token blocks; block j's key is
-sha256(key of block j-1 ‖ block j's token ids), the chain rooted in the model's fingerprint and dtype, so a key
-names the whole token prefix. An entry also keeps its block's ids and a hit compares them, so not even a hash
-collision yields KV of other tokens. Only whole blocks are kept.
+Keys (after LMCache's token database): a prompt is cut into `BLOCK`-token blocks; block j's key is sha256(key of
+block j-1 ‖ block j's token ids), the chain rooted in the model's fingerprint and dtype, so a key names the whole
+token prefix. An entry also keeps its block's ids and a hit compares them, so not even a hash collision yields KV
+of other tokens. Only whole blocks are kept.
 
 Memory: at most `budget_bytes` of KV (each entry's own tensors, cloned once at insert; a hit hands out those very
 tensors, never a copy). Eviction keeps what can be hit: an entry is reachable only through its chain, so the victim
@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 
 BLOCK = 256  # tokens per cached block (the codec's chunk C is another thing)
-CHUNK = BLOCK  # the old name of BLOCK (kept for one release)
 
 
 def token_digest(fingerprint: str, quant_config: dict, ids) -> str:

@@ -1,17 +1,21 @@
 """Tensors on the wire as a self-describing binary table: KV segments (a SplitKV segment — anchor stream: codes +
-metadata — or a residual segment, codes only) and the prefill's logits (FIRST). Shapes are checked against what
-the negotiated codec (or the KV handshake) declares, so a peer cannot make the decoder read out of bounds."""
+metadata — or a residual segment, codes only) and the prefill's logits (FIRST).
+
+Contract: every received tensor's shape and dtype is checked against what the negotiated codec declares for the
+segment's geometry (`quant.stream_shapes`: no encode, no torch op) or the KV handshake declares for the logits,
+before it is stored, so a peer cannot make the decoder read out of bounds; a coded stream is bounded by its codec's
+`max_nbytes`. `segment_bound` / `stream_bound` size a data plane's receive memory by the same shapes."""
 from __future__ import annotations
 
 import functools
-import math
 import struct
 
 import torch
 
-from ..arch import held_positions
+from ..arch import window_positions
 from ..config import LynxQuantConfig
-from ..quant import SplitKV, codec, encode
+from ..quant import SplitKV, StreamShapes, codec, stream_shapes
+from ..quant.shapes import SENT_AXES
 from .wire import WireError, segment_counts
 
 SUB = struct.Struct("<HBBII")  # layer, kind (0 key, 1 value), axis (0 channel, 1 token, 2 none), start, count
@@ -103,38 +107,32 @@ def unpack_logits(payload: bytes, batch: int, vocab: int, dtype: torch.dtype) ->
 
 
 @functools.lru_cache(maxsize=256)
-def _expected(config: LynxQuantConfig, kind: str, axis: str, shape: tuple, dtype: torch.dtype):
-    """Shapes/dtypes the codec produces for this segment: (anchor codes, residual codes or None, {meta}, axis). A
-    coded stream's anchor is (None, uint8): its length is the data's, bounded by the codec's `max_nbytes`."""
-    c = codec(config)
-    if c.split and axis in ("channel", "token"):
-        config = LynxQuantConfig(**{**config.to_dict(), ("key_axis" if kind == "key" else "value_axis"): axis})
-    s = encode(torch.zeros(shape, dtype=dtype), config, kind, reference=True, layer=(0, 1) if c.coded else None)
-    sig = lambda t: (tuple(t.shape), t.dtype)
-    anchor = (None, torch.uint8) if c.coded else sig(s.anchor)
-    return anchor, None if s.residual is None else sig(s.residual), {k: sig(v) for k, v in s.meta.items()}, s.axis
+def _expected(config: LynxQuantConfig, kind: str, axis: str, shape: tuple, dtype: torch.dtype) -> StreamShapes:
+    """What the codec produces for this segment (`quant.stream_shapes`): a split codec's on the declared `axis`
+    (ValueError for an axis it never sends), the others' on their own."""
+    return stream_shapes(config, kind, shape, dtype, axis=axis if codec(config).split else None)
 
 
 def layer_counts(geometry: dict, prompt_len: int, start: int = 0) -> list[list[int]]:
-    """Per layer, the token counts of the SEGMENT frames that carry its K (and as many its V): positions [start, P)
-    of what the layer holds (`kv_geometry`'s windows), cut as the prefill side cuts them."""
-    return [segment_counts(min(held_positions(prompt_len, w), prompt_len - start)) for w in geometry["windows"]]
+    """Per layer, the token counts of the SEGMENT frames that carry its K (and as many its V): of the positions the
+    layer's window keeps (`kv_geometry`'s windows), those from `start` on (what the decode side holds is not
+    shipped), cut as the prefill side cuts them."""
+    return [segment_counts(min(window_positions(prompt_len, w), prompt_len - start)) for w in geometry["windows"]]
 
 
 def segment_bound(config: LynxQuantConfig, kind: str, shape: tuple, dtype: torch.dtype) -> int:
     """The most bytes an anchor and a residual SEGMENT payload of this shape take together, on any axis the codec
     sends (a coded stream: the codec's `max_nbytes`)."""
-    table = lambda sigs: 1 + sum(2 + len(n) + TENS.size + 4 * len(shp) + math.prod(shp) * dt.itemsize
-                                 for n, (shp, dt) in sigs.items())
+    table = lambda specs: 1 + sum(2 + len(n) + TENS.size + 4 * len(m.shape or (m.nbytes,)) + m.nbytes
+                                  for n, m in specs.items())
     best = 0
     for axis in AXES:
         try:
-            anc, res, meta, _ = _expected(config, kind, axis, shape, dtype)
-        except (ValueError, RuntimeError):  # an axis this codec never sends
+            s = _expected(config, kind, axis, shape, dtype)
+        except ValueError:  # an axis this codec never sends
             continue
-        if anc[0] is None:
-            anc = ((codec(config).max_nbytes(shape),), torch.uint8)
-        n = SUB.size + table({"codes": anc, **meta}) + (SUB.size + table({"codes": res}) if res else 0)
+        n = SUB.size + table({"codes": s.anchor, **s.meta}) + (SUB.size + table({"codes": s.residual})
+                                                                 if s.residual else 0)
         best = max(best, n)
     return best
 
@@ -148,9 +146,10 @@ def stream_bound(config: LynxQuantConfig, geometry: dict, prompt_len: int, dtype
 
 def warm(config: LynxQuantConfig, geometry: dict, prompt_len: int, dtype: torch.dtype, start: int = 0) -> None:
     """Work out, on the calling thread, the codec shapes every SEGMENT frame of a `prompt_len`-token prompt will be
-    checked against (`kv_geometry`'s windows, kv heads, head dim), so that the receiving thread runs no torch op:
-    a parallel op there would start a second OpenMP pool, which makes every parallel region of the decoding thread
-    sleep and wake (measured: an 8-node draft step 136 → 108 ms). Unusual segment sizes still work, computed there."""
+    checked against (`kv_geometry`'s windows, kv heads, head dim), so that the receiving thread only looks them up.
+    (The shapes come from `quant.stream_shapes`, which runs no torch op: the receiving thread must run none — a
+    parallel op there would start a second OpenMP pool, which makes every parallel region of the decoding thread
+    sleep and wake; measured: an 8-node draft step 136 → 108 ms.) Unusual segment sizes still work, computed there."""
     B, H, D = geometry["batch"], geometry["kv_heads"], geometry["head_dim"]
     counts = {c for layer in layer_counts(geometry, prompt_len, start) for c in layer}
     for kind in KINDS:
@@ -158,22 +157,27 @@ def warm(config: LynxQuantConfig, geometry: dict, prompt_len: int, dtype: torch.
             for axis in AXES:
                 try:
                     _expected(config, kind, axis, (B, H, c, D), dtype)
-                except (ValueError, RuntimeError):  # an axis this codec never sends
+                except ValueError:  # an axis this codec never sends
                     pass
+
+
+def _signatures(tensors) -> dict:
+    return {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}
 
 
 def to_split(tensors, config: LynxQuantConfig, kind: str, axis: str, shape: tuple, dtype: torch.dtype) -> SplitKV:
     """An anchor segment's tensors → SplitKV (residual None), after checking every shape and dtype."""
-    anc, _, meta, want_axis = _expected(config, kind, axis, shape, dtype)
-    if codec(config).split and axis != want_axis:
+    if codec(config).split and axis not in SENT_AXES:
         raise WireError(f"segment axis {axis!r} is not valid for method {config.method!r}")
-    got = {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}
-    codes = tensors.get("codes")
-    if anc[0] is None and codes is not None and codes.dim() == 1 and codes.dtype == torch.uint8:
-        bound = codec(config).max_nbytes(shape)
-        if codes.numel() > bound:
-            raise WireError(f"a coded segment of {codes.numel()} bytes exceeds the bound {bound} for {shape}")
+    want = _expected(config, kind, axis, shape, dtype)
+    got, codes = _signatures(tensors), tensors.get("codes")
+    anc = want.anchor.signature
+    if want.coded and codes is not None and codes.dim() == 1 and codes.dtype == torch.uint8:
+        if codes.numel() > want.anchor.nbytes:
+            raise WireError(f"a coded segment of {codes.numel()} bytes exceeds the bound {want.anchor.nbytes} for "
+                            f"{shape}")
         anc = got["codes"]
+    meta = {k: m.signature for k, m in want.meta.items()}
     if got.get("codes") != anc or {k: v for k, v in got.items() if k != "codes"} != meta:
         raise WireError(f"anchor segment tensors {got} do not match the codec's {anc}, {meta}")
     return SplitKV(config, kind, shape, dtype, tensors["codes"], None,
@@ -181,8 +185,11 @@ def to_split(tensors, config: LynxQuantConfig, kind: str, axis: str, shape: tupl
 
 
 def check_residual(tensors, config, kind, axis, shape, dtype) -> torch.Tensor:
-    _, res, _, _ = _expected(config, kind, axis, shape, dtype)
-    got = {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}
+    """A residual segment's codes, after checking them against the codec's (a residual's codes do not depend on the
+    grouping axis: a split codec's are checked on its first axis whatever the frame declares)."""
+    s = _expected(config, kind, axis if axis in SENT_AXES else SENT_AXES[0], shape, dtype)
+    res = None if s.residual is None else s.residual.signature
+    got = _signatures(tensors)
     if res is None or got != {"codes": res}:
         raise WireError(f"residual segment tensors {got} do not match the codec's {res}")
     return tensors["codes"]

@@ -35,10 +35,10 @@ from ..errors import ConfigError
 from ..flags import MAX_CONCURRENT_PREFILLS, MAX_INFLIGHT_MB, MAX_TIMEOUT_S, PREFIX_CACHE_MB, machine_mb
 from ..link import Nic
 from ..engine.warm import warm_up
-from .prefill import PREFILL_CHUNK, ComputeQueue, Slots, release_memory, serve_channel
+from .prefill import PREFILL_STEP, ComputeQueue, PrefillNode, Slots, release_memory
 from . import nixl
 from .prefix_cache import PrefixCache
-from .session import Channel, HandshakeRefused, PeerError, quote_peer, resolve_secret, server_handshake
+from .auth import Channel, HandshakeRefused, PeerError, quote_peer, resolve_secret, server_handshake
 from .transport import TcpTransport, TlsTcpTransport
 from .wire import FrameType, WireError
 
@@ -46,12 +46,12 @@ log = logging.getLogger("lynx_hf.prefill")
 
 
 def memory_bounds(model, prefix_cache_mb: float, max_inflight_mb: float, max_connections: int, slots: int,
-                  prefill_chunk: int, nixl: bool = False) -> dict:
+                  prefill_step: int, nixl: bool = False) -> dict:
     """What the prefill server may hold, in bytes, by named bound (docs/wire-format.md, "Memory"): the model; the
     prefix cache; `slots` working sets, each a prompt's KV at most twice (the capture's copy, and the cache entries it
-    reads if another request evicts them meanwhile), and as many of short prompts (one prefill chunk: their own
+    reads if another request evicts them meanwhile), and as many of short prompts (one prefill step: their own
     slots); one forward pass's activations at a time (the compute queue),
-    dominated at `prefill_chunk` tokens against a full context by one layer's attention scores and probabilities;
+    dominated at `prefill_step` tokens against a full context by one layer's attention scores and probabilities;
     per connection, its in-flight frames plus one layer's frames of one forward pass (queued inside a compute turn,
     which never waits) and, with the NIXL data plane, its staging buffer (the largest codec's segments of a whole
     context). Not counted: each connection's fixed cost (threads, buffers: ~1 MB)."""
@@ -63,12 +63,12 @@ def memory_bounds(model, prefix_cache_mb: float, max_inflight_mb: float, max_con
     heads, inter = getattr(c, "num_attention_heads", g["kv_heads"]), getattr(c, "intermediate_size", 0) or 0
     b = {"model": sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())),
          "prefix_cache": int(prefix_cache_mb * (1 << 20)),
-         "working_sets": slots * 2 * (context + min(prefill_chunk, context)) * per_token,
-         "compute": prefill_chunk * (2 * context * heads + 3 * inter) * size + prefill_chunk * per_token,
-         "inflight": max_connections * (int(max_inflight_mb * (1 << 20)) + prefill_chunk * per_layer
+         "working_sets": slots * 2 * (context + min(prefill_step, context)) * per_token,
+         "compute": prefill_step * (2 * context * heads + 3 * inter) * size + prefill_step * per_token,
+         "inflight": max_connections * (int(max_inflight_mb * (1 << 20)) + prefill_step * per_layer
                                         + (_nixl_stage(g, context) if nixl else 0))}
     return {**b, "total": sum(b.values()), "kv_bytes_per_token": per_token, "context": context,
-            "short": min(prefill_chunk, context)}
+            "short": min(prefill_step, context)}
 
 
 def _nixl_stage(geometry: dict, context: int) -> int:
@@ -121,6 +121,17 @@ class _RateLimitedLog:
         log.warning(msg + (f" (and {quiet} more like it)" if quiet else ""), *args)
 
 
+RENAMED = {"prefill_chunk": "prefill_step"}  # PrefillServer keywords renamed in 0.1.0 (one word, one meaning)
+
+
+def _refuse_renamed(kw: dict) -> None:
+    """A TypeError for a keyword PrefillServer does not take, naming the new one when it was renamed."""
+    for name in kw:
+        new = RENAMED.get(name)
+        raise TypeError(f"PrefillServer: {name!r} is now {new!r}" if new else
+                        f"PrefillServer got an unexpected keyword argument {name!r}")
+
+
 def _positive(name: str, x, allow_none: bool = False, allow_zero: bool = False) -> None:
     if x is None and allow_none:
         return
@@ -134,16 +145,18 @@ class PrefillServer:
     only ever delays itself), and a port of the server's one emulated NIC (`bandwidth_bps`, `latency_s`: a link
     shared fairly by the connections, lynx_hf.link). `data_plane="nixl"`: a client may have the segments' bytes
     written into its memory by NIXL (lynx_hf.transfer.nixl); the control frames stay on the channel. Forward passes
-    go through one `ComputeQueue` (shortest remaining prompt first, in chunks of `prefill_chunk` tokens)."""
+    go through one `ComputeQueue` (shortest remaining prompt first, a prefill step of `prefill_step` tokens a turn;
+    the server's model-side state is one `PrefillNode`, `node`)."""
 
     def __init__(self, model, host: str = "127.0.0.1", port: int = 0, secret: str | None = None,
                  bandwidth_bps: float | None = None, latency_s: float = 0.0, handshake_timeout: float = 5.0,
                  max_connections: int = 32, insecure: bool = False, tls_cert: str | None = None,
                  tls_key: str | None = None, max_preauth: int = 128, max_preauth_per_host: int = 96,
-                 idle_timeout_s: float = 300.0, send_timeout_s: float = 30.0, prefill_chunk: int = PREFILL_CHUNK,
+                 idle_timeout_s: float = 300.0, send_timeout_s: float = 30.0, prefill_step: int = PREFILL_STEP,
                  prefix_cache_mb: float = PREFIX_CACHE_MB, listen_socket: socket.socket | None = None,
                  data_plane: str = "tcp", max_inflight_mb: float = MAX_INFLIGHT_MB,
-                 max_concurrent_prefills: int = MAX_CONCURRENT_PREFILLS):
+                 max_concurrent_prefills: int = MAX_CONCURRENT_PREFILLS, **renamed):
+        _refuse_renamed(renamed)
         _positive("bandwidth_bps", bandwidth_bps, allow_none=True)
         _positive("latency_s", latency_s, allow_zero=True)
         for name, x in (("prefix_cache_mb", prefix_cache_mb), ("max_inflight_mb", max_inflight_mb)):
@@ -156,7 +169,7 @@ class PrefillServer:
             if x > MAX_TIMEOUT_S:
                 raise ConfigError(f"{name} must be at most {MAX_TIMEOUT_S:g} s (one day), got {x!r}")
         for name, x in (("max_connections", max_connections), ("max_preauth", max_preauth),
-                        ("max_preauth_per_host", max_preauth_per_host), ("prefill_chunk", prefill_chunk),
+                        ("max_preauth_per_host", max_preauth_per_host), ("prefill_step", prefill_step),
                         ("max_concurrent_prefills", max_concurrent_prefills)):
             if not (isinstance(x, int) and not isinstance(x, bool) and x >= 1):
                 raise ConfigError(f"{name} must be an int >= 1, got {x!r}")
@@ -178,7 +191,7 @@ class PrefillServer:
         warm_up(model)  # the codec's kernels and a request's paths now, not inside the first request
         self.bw, self.latency, self.hs_timeout, self.max_conn = bandwidth_bps, latency_s, handshake_timeout, max_connections
         self.max_preauth, self.max_preauth_per_host = max_preauth, max_preauth_per_host
-        self.idle_timeout_s, self.send_timeout_s, self.chunk = idle_timeout_s, send_timeout_s, prefill_chunk
+        self.idle_timeout_s, self.send_timeout_s = idle_timeout_s, send_timeout_s
         if listen_socket is not None:  # bound by the caller (serve-prefill, before loading the model): listen now
             listen_socket.listen()
         self.sock = listen_socket or socket.create_server((host, port), reuse_port=False)
@@ -187,11 +200,12 @@ class PrefillServer:
         self.nic = Nic(bandwidth_bps, latency_s)  # one link for every connection, shared by deficit round-robin
         self.prefix = PrefixCache(int(prefix_cache_mb * (1 << 20)),
                                   f"{self.fp}|{next(model.parameters()).dtype}")  # shared by every connection
-        self.slots = Slots(max_concurrent_prefills, prefill_chunk)  # requests holding a working set at once
+        self.slots = Slots(max_concurrent_prefills, prefill_step)  # requests holding a working set at once
+        self.node = PrefillNode(model, prefill_step, self.compute, self.prefix, self.slots, self.fp)
         self.max_inflight = int(max_inflight_mb * (1 << 20))
         try:
             self.bounds = memory_bounds(model, prefix_cache_mb, max_inflight_mb, max_connections,
-                                        max_concurrent_prefills, prefill_chunk, nixl=self.nixl)
+                                        max_concurrent_prefills, prefill_step, nixl=self.nixl)
         except ValueError as e:  # a layer kind whose KV no transfer can carry
             raise ConfigError(f"this model cannot be served: {e}") from None
         log.info(describe_bounds(self.bounds, max_concurrent_prefills, max_connections, max_inflight_mb))
@@ -288,8 +302,7 @@ class PrefillServer:
                 return
             plane = nixl.PrefillPlane(self.send_timeout_s) if self.nixl else None
             try:
-                serve_channel(self.model, ch, self.compute, peer, self.idle_timeout_s, self.chunk, self.prefix, self.fp,
-                              plane, self.slots)
+                self.node.serve(ch, peer, self.idle_timeout_s, plane)
             finally:
                 if plane is not None:
                     plane.close()

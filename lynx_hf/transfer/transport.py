@@ -273,14 +273,14 @@ class TcpTransport(Transport):
             buf = bytearray()
             while len(buf) < n:
                 try:
-                    chunk = self._read_some(n - len(buf), deadline)
+                    part = self._read_some(n - len(buf), deadline)
                 except socket.timeout:
                     raise TimeoutError(f"no whole frame from the peer within {timeout:.3g} s") from None
                 except OSError as e:
                     raise ConnectionError(f"connection lost: {e}") from None
-                if not chunk:
+                if not part:
                     break
-                buf += chunk
+                buf += part
             return bytes(buf)
 
         return read_frame(read_exact, limit)

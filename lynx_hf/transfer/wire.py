@@ -22,12 +22,12 @@ MAX_PAYLOAD = 64 << 20   # one frame's payload
 MAX_JSON = 4 << 20       # a control payload (prompt ids included)
 MAX_HANDSHAKE = 4096     # any frame before the peer has proven the shared secret
 FLAG_MAC = 1             # the payload ends with a MAC tag (every frame after the handshake)
-SEGMENT_TOKENS = 256     # a layer's held positions travel in SEGMENT frames of this many tokens (the last: the rest)
+SEGMENT_TOKENS = 256     # a layer's shipped positions travel in SEGMENT frames of this many tokens (the last: the rest)
 
 
-def segment_counts(held: int, segment: int = SEGMENT_TOKENS) -> list[int]:
-    """Token counts of the SEGMENT frames that carry `held` positions of one layer's K or V, in order."""
-    return [min(segment, held - off) for off in range(0, held, segment)]
+def segment_counts(positions: int, segment: int = SEGMENT_TOKENS) -> list[int]:
+    """Token counts of the SEGMENT frames that carry `positions` shipped positions of one layer's K or V, in order."""
+    return [min(segment, positions - off) for off in range(0, positions, segment)]
 
 
 class WireError(LynxError, ValueError):
@@ -46,7 +46,6 @@ class FrameType(enum.IntEnum):
     PROMPT = 4    # JSON: KV handshake — layers, windows, batch, kv heads, head dim, dtype, vocab, prompt length, codec,
     #               start (first position shipped), refused (why a held claim was not taken), prefix_hit
     SEGMENT = 5   # binary: one segment of one layer's K or V, anchor or residual stream
-    CHUNK = 5     # the older name of SEGMENT ("chunk" is the codec's μ/σ group of C tokens)
     FIRST = 6     # binary: the prefill's last-position logits [batch, vocab] (tensor table)
     END = 7       # JSON: end of the request's streams (frame counts per stream, prefill time)
     ERROR = 8     # JSON: {"error": message}
@@ -155,9 +154,9 @@ def parse_frame(buf: bytes, limit: int = MAX_PAYLOAD) -> Frame:
 
     def read_exact(n):
         nonlocal pos
-        chunk = buf[pos:pos + n]
-        pos += len(chunk)
-        return chunk
+        part = buf[pos:pos + n]
+        pos += len(part)
+        return part
 
     f = read_frame(read_exact, limit)
     if pos != len(buf):

@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole, KVConnectorTransferResults,
                                                                KVConnectorWorkerMetadata)
 
-from ..transfer.session import resolve_secret
+from ..transfer.auth import resolve_secret
 from .hooks import SchedulerSide, StepMeta, WorkerSide
 from .stream import KVPublisher
 

@@ -162,7 +162,7 @@ class SchedulerSide:
                 continue
             if blocks:  # a new request's whole table, or the blocks a running one gained
                 job["blocks"] = job["blocks"] + list(blocks) if more else list(blocks)
-            if computed + num_scheduled.get(rid, 0) >= job["P"]:  # the prompt's last chunk runs in this step
+            if computed + num_scheduled.get(rid, 0) >= job["P"]:  # the prompt's last prefill step runs now
                 del self._produce[rid]
                 p = job["p"]
                 meta.saves.append(SaveMeta(rid, p["xfer"], p["method"], job["P"], job["blocks"], job["digest"]))

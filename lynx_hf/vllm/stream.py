@@ -3,7 +3,7 @@ lynx-hf's codec, under a transfer id; a decode instance subscribes to it and get
 tier when the residual lands. No vLLM here: the connector (connector.py) calls these from its hooks, and the tests
 drive them alone.
 
-Wire (docs/vllm.md): lynx-hf's frames, handshake and MACs (transfer/wire.py, transfer/session.py), TCP, paced by
+Wire (docs/vllm.md): lynx-hf's frames, handshake and MACs (transfer/wire.py, transfer/auth.py), TCP, paced by
 the link emulator's NIC (one per publisher, shared by its connections). After the handshake the decode side sends
 REQUEST {xfer, quant_config, spec}; the prefill side answers PROMPT {xfer, quant_config, spec, segments} — or ERROR
 (unknown transfer, codec or geometry mismatch) — then every anchor SEGMENT (priority 0), every residual SEGMENT
@@ -29,7 +29,7 @@ from ..errors import ConfigError
 from ..link import Nic
 from ..quant import codec, dequantize, encode
 from ..transfer.serde import check_residual, pack_segment, segment_bound, to_split, unpack_segment, warm
-from ..transfer.session import Channel, HandshakeRefused, PeerError, client_handshake, quote_peer, server_handshake
+from ..transfer.auth import Channel, HandshakeRefused, PeerError, client_handshake, quote_peer, server_handshake
 from ..transfer.transport import PRIO_ANCHOR, PRIO_END, PRIO_RESIDUAL, TcpTransport
 from ..transfer.wire import MAX_JSON, SEGMENT_TOKENS, FrameType, PeerClosed, Stream, WireError, segment_counts
 
@@ -129,7 +129,7 @@ class KVPublisher:
         self.nic = Nic(bandwidth_bps, latency_s)
         self._entries: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
         self._cv = threading.Condition()
-        self.held_bytes = 0
+        self.stored_bytes = 0
         self.sock = socket.create_server((host, port), reuse_port=False)
         self.port = self.sock.getsockname()[1]
         self._stop = threading.Event()
@@ -152,16 +152,16 @@ class KVPublisher:
             e = self._entries.get(xfer)
             if e is None:
                 return  # evicted or failed meanwhile: its subscriber hears "unknown transfer"
-            while self.held_bytes + size > self.max_bytes and self._evict_one(keep=xfer):
+            while self.stored_bytes + size > self.max_bytes and self._evict_one(keep=xfer):
                 pass
-            if self.held_bytes + size > self.max_bytes:
+            if self.stored_bytes + size > self.max_bytes:
                 self._drop(xfer)
                 log.warning("transfer %s dropped: %d bytes over the publisher's bound of %d", xfer, size,
                             self.max_bytes)
                 return
             e.frames += frames
             e.nbytes += size
-            self.held_bytes += size
+            self.stored_bytes += size
             self._cv.notify_all()
 
     def finish(self, xfer: str) -> None:
@@ -180,7 +180,7 @@ class KVPublisher:
     def _drop(self, xfer: str) -> None:
         e = self._entries.pop(xfer, None)
         if e is not None:
-            self.held_bytes -= e.nbytes
+            self.stored_bytes -= e.nbytes
 
     def _evict_one(self, keep: str) -> bool:
         for x, e in self._entries.items():

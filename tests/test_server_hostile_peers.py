@@ -1,6 +1,6 @@
 """The prefill server against hostile peers and bad configuration (issue 21), on loopback with a tiny model: what an
 unauthenticated peer can cost, one generic refusal for every malformed handshake, peer text quoted, configuration
-refused at start, and a queue in which a short request waits for one chunk of a long prefill, not all of it."""
+refused at start, and a queue in which a short request waits for one prefill step of a long prompt, not all of it."""
 import errno
 import io
 import json
@@ -24,7 +24,7 @@ from lynx_hf.errors import ConfigError
 from lynx_hf.transfer import prefill as P
 from lynx_hf.transfer import server as S
 from lynx_hf.transfer.decode import DecodeClient
-from lynx_hf.transfer.session import Channel, PeerError, client_handshake, server_handshake
+from lynx_hf.transfer.auth import Channel, PeerError, client_handshake, server_handshake
 from lynx_hf.transfer.transport import InProcTransport, TcpTransport
 from lynx_hf.transfer.wire import FLAG_MAC, HEADER, FrameType, Stream, WireError, encode_frame, json_frame
 
@@ -468,11 +468,11 @@ def _slow_server_model(per_token_s):
     return m, calls
 
 
-def test_a_short_request_waits_for_one_chunk_not_a_whole_long_prefill(tiny):
+def test_a_short_request_waits_for_one_prefill_step_not_a_whole_long_prefill(tiny):
     """A 10-token request arriving while a 400-token prompt prefills (10 ms a token: 4 s in one pass) waits for
-    one 16-token chunk of it. Before: behind one compute lock, for the whole prefill."""
+    one 16-token prefill step of it. Before: behind one compute lock, for the whole prefill."""
     model, calls = _slow_server_model(0.01)
-    srv = S.PrefillServer(model, secret=SECRET, prefill_chunk=16).start()
+    srv = S.PrefillServer(model, secret=SECRET, prefill_step=16).start()
     try:
         short, long_ = DecodeClient(tiny, *srv.address, secret=SECRET), DecodeClient(tiny, *srv.address, secret=SECRET)
         alone = min(short.generate(ids(10, 1), Q(), max_new_tokens=2)["ttft_s"] for _ in range(2))
@@ -485,7 +485,7 @@ def test_a_short_request_waits_for_one_chunk_not_a_whole_long_prefill(tiny):
         th.join(60)
         assert busy < alone + 0.6, (alone, busy)
         ref = DecodeClient(tiny, *S.PrefillServer(tiny, secret=SECRET).start().address, secret=SECRET)
-        assert out["r"]["tokens"] == ref.generate(ids(400, 2), Q(), max_new_tokens=2)["tokens"]  # chunked = whole
+        assert out["r"]["tokens"] == ref.generate(ids(400, 2), Q(), max_new_tokens=2)["tokens"]  # in steps = whole
         for c in (short, long_, ref):
             c.close()
     finally:
@@ -579,7 +579,7 @@ def test_serve_prefill_refuses_bad_flags_before_loading_the_model(monkeypatch, c
 
 
 def test_a_secret_file_is_read_and_used(tiny, tmp_path):
-    from lynx_hf.transfer.session import read_secret_file
+    from lynx_hf.transfer.auth import read_secret_file
 
     f = tmp_path / "secret"
     f.write_text(SECRET + "\n")

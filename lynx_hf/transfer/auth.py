@@ -1,5 +1,6 @@
-"""Connection set-up shared by both sides: shared-secret mutual authentication before anything is revealed, then a
-MAC on every frame, the model fingerprint, per-direction sequence numbering.
+"""The handshake (authentication) shared by both sides of a connection: shared-secret mutual authentication before
+anything is revealed, then a MAC on every frame, the model fingerprint, per-direction sequence numbering (`Channel`).
+(A conversation over many requests is another thing: the decode side's `Session`.)
 
 Handshake (docs/wire-format.md): prefill → HELLO{nonce Ns}; decode → HELLO{nonce Nc, mac = HMAC(secret,
 "client|Ns|Nc")}; the prefill side checks the MAC (one generic refusal otherwise), and from here on every frame in
