@@ -17,6 +17,11 @@ class DictReads:
             raise KeyError(key)
         return getattr(self, key)
 
+    def __setitem__(self, key: str, value) -> None:
+        if key not in self.keys():
+            raise KeyError(key)
+        setattr(self, key, value)
+
     def get(self, key: str, default=None):
         return getattr(self, key, default) if key in self.keys() else default
 
