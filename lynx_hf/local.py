@@ -17,7 +17,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .arch import layer_windows, media_inputs, media_key, refuse_encoder_decoder, refuse_media_positions, window_positions
+from .arch import (layer_windows, media_inputs, media_key, refuse_encoder_decoder, refuse_media_positions,
+                   window_positions)
 from .cache import LynxCache  # lynx_hf.LynxCache: imported from here, so its constructors are registered
 from .cache.conversation import encoded_key
 from .cache.lynx_cache import PREFILL_SIDE
@@ -242,23 +243,28 @@ def from_prefill(cls, model, input_ids: torch.Tensor, quant_config: LynxQuantCon
     refuse_media_positions(model, media)
     if attention_mask is None:  # as generate infers it: pad tokens (pad != eos) are masked
         attention_mask = generate_mask(model, input_ids)
-    kv, logits = prefill(model, input_ids, attention_mask, **media)
+    encoded, consumed = image_features(model, media)  # the prefill runs on them, as generate's own prefill does
+    inputs = {k: v for k, v in media.items() if k not in consumed}
+    if encoded:
+        inputs["mm_encoder_outputs"] = encoded
+    kv, logits = prefill(model, input_ids, attention_mask, **inputs)
     cache = from_kv(cls, model, input_ids.shape[1], kv, logits, quant_config, residual_after_steps, spec_config,
                     bandwidth_bps, residual_after_tokens=residual_after_tokens)
     cache.conversation.expect_prompt(input_ids, attention_mask)
     cache.conversation.media_key = media_key(media_inputs(media))
-    cache.conversation.encoded_key = encoded_key(image_features(model, media))
+    cache.conversation.encoded_key = encoded_key(encoded)
     return cache, logits.argmax(-1, keepdim=True)
 
 
 @torch.no_grad()
-def image_features(model, media: dict) -> dict:
+def image_features(model, media: dict) -> tuple[dict, set]:
     """What Transformers' generate encodes ahead from `media` and passes its forwards as `mm_encoder_outputs` (a
-    model's public `get_image_features` / `get_video_features`, given the inputs it names), so that a generate's
-    images can be compared with the prefill's after Transformers has consumed the pixels. {} for other models."""
+    model's public `get_image_features` / `get_video_features`, given the inputs it names), and the inputs that took:
+    the prefill runs on the same outputs, and a generate's images are compared with the prefill's through them once
+    Transformers has consumed the pixels. ({}, set()) for other models."""
     if not media or "mm_encoder_outputs" not in inspect.signature(model.forward).parameters:
-        return {}
-    out = {}
+        return {}, set()
+    out, consumed = {}, set()
     for modality in ("image", "video"):
         fn = getattr(model.base_model, f"get_{modality}_features", None)
         if fn is None or modality not in getattr(model, "input_modalities", ()):
@@ -266,7 +272,8 @@ def image_features(model, media: dict) -> dict:
         kw = {k: media[k] for k in inspect.signature(fn).parameters if k != "kwargs" and k in media}
         if any(k in kw for k in ("pixel_values", "pixel_values_images", "pixel_values_videos", "image_patches")):
             out[modality] = fn(**kw, return_dict=True)
-    return out
+            consumed |= set(kw)
+    return out, consumed
 
 
 def from_kv(cls, model, prompt_len: int, kv, logits: torch.Tensor, quant_config: LynxQuantConfig | None = None,

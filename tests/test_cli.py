@@ -107,8 +107,10 @@ def test_crossover_rule():
 
 
 def test_the_gguf_conversion_is_cached_once_when_loaders_race(tmp_path, monkeypatch):
-    """Three loaders racing on an empty cache each finish with the same model, one cache folder is left, no
-    half-written one; a later load reads it (the cached weights equal the GGUF file's)."""
+    """Two processes and two threads of this one racing on an empty cache each finish with the same folder, one
+    cache folder is left, no half-written one; a later load reads it (the cached weights equal the GGUF file's) and
+    the threads' loads left Transformers' loading unpatched (a model built afterwards has its weights tied, none on
+    the meta device: before the loads took turns, a race left `tie_weights` a no-op for the whole process)."""
     import threading
 
     from lynx_hf import model as M
@@ -123,18 +125,27 @@ def test_the_gguf_conversion_is_cached_once_when_loaders_race(tmp_path, monkeypa
         except Exception as e:  # noqa: BLE001 — reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=load) for _ in range(3)]
+    code = "from lynx_hf import model as M; print(M.converted_gguf(M.default_model_dir(), M.DEFAULT_GGUF))"
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    threads = [threading.Thread(target=load) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(600)
-    assert not errors and len(set(got)) == 1
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-2000:]
+        got.append(out.strip())
+    assert not errors and len(got) == 4 and len(set(got)) == 1
     assert os.listdir(M.cache_root()) == [os.path.basename(got[0])]
-    cached, _ = lynx_hf.load_default_model()
+    cached, _ = lynx_hf.load_default_model(warm=False)
     from transformers import AutoModelForCausalLM
 
     direct = AutoModelForCausalLM.from_pretrained(M.default_model_dir(), gguf_file=M.DEFAULT_GGUF)
     assert cached.config._name_or_path == got[0] and fingerprint(cached) == fingerprint(direct)
+    assert not any(p.is_meta for p in cached.parameters())
+    assert cached.lm_head.weight.data_ptr() == cached.model.embed_tokens.weight.data_ptr()
 
 
 def test_the_example_prints_its_text_once_when_piped():
