@@ -378,9 +378,13 @@ def test_a_handshake_broken_otherwise_is_not_called_an_authentication_failure():
 
 def test_fingerprint_ignores_where_the_model_was_loaded_from(tiny, tmp_path):
     """The same weights saved to two folders (two install paths, or a GGUF file and its converted copy) have one
-    fingerprint (before, the config's _name_or_path was part of it)."""
+    fingerprint (before, the config's _name_or_path was part of it). A copy is saved: save_pretrained writes into
+    the config it saves (dtype, architectures), and the session's `tiny` must stay what a fresh one is."""
+    import copy
+
+    saved = copy.deepcopy(tiny)
     for d in ("a", "b"):
-        tiny.save_pretrained(tmp_path / d)
+        saved.save_pretrained(tmp_path / d)
     a, b = (tf.LlamaForCausalLM.from_pretrained(tmp_path / d) for d in ("a", "b"))
     assert a.config._name_or_path != b.config._name_or_path
-    assert fingerprint(a) == fingerprint(b) == fingerprint(tiny)
+    assert fingerprint(a) == fingerprint(b) == fingerprint(saved)
