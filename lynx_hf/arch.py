@@ -54,6 +54,16 @@ def max_prompt_tokens(model) -> int:
     return min(MAX_PROMPT, n) if isinstance(n, int) and n > 0 else MAX_PROMPT
 
 
+def context_budget(context: int, prompt_len: int, max_new_tokens: int) -> int:
+    """The tokens a generation of a `prompt_len`-token prompt may produce: at most `max_new_tokens`, and every
+    position the model runs inside its `context` — a sequence of prompt_len + n tokens runs its first
+    prompt_len + n - 1 positions, so n <= context - prompt_len + 1 (a prompt of the whole context gets its one next
+    token). One rule for the decode client, the prefill server (which refuses prompt_len > context) and sessions."""
+    if prompt_len > context:
+        raise ValueError(f"a prompt of {prompt_len} tokens exceeds this model's context of {context} tokens")
+    return min(max_new_tokens, context - prompt_len + 1)
+
+
 def kv_geometry(model) -> dict:
     """What the model's prompt KV looks like on the wire: the PROMPT frame declares it and the decode side requires
     it to equal its own model's before allocating anything."""

@@ -23,6 +23,7 @@ ones when it re-runs the prompt's last position (`post_forward`). A plain call e
 (`settle`). What plain generate cannot give: a streamer of its own (none is needed: Transformers streams itself)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import threading
@@ -34,7 +35,7 @@ from ..arch import media_inputs, media_key, refuse_encoder_decoder
 from ..trace import Trace
 from .store import complete
 
-BUSY = "this LynxCache is in use by a generate call that has not finished"
+BUSY = "this LynxCache is in use by a generate call that has not finished (or by a copy being made of it)"
 BROKEN = ("a generation on this LynxCache failed part-way, so what it holds is unknown: build a new one from the prefill "
           "(LynxCache.from_prefill or a new request)")
 PROMPT_MISMATCH = ("generate got another prompt than the one this LynxCache was prefilled with (its ids or its "
@@ -57,6 +58,8 @@ class Conversation:
         self.listening = False  # a plain generate was entered and has not run its first forward yet
         self._before, self._ran, self._first, self._substitute = "fresh", False, False, False
         self._strip: list = []  # media inputs a plain generate passes that its forwards must not run again
+        self._claim = threading.Lock()  # held by speculative_generate for the whole call, and by a branch being made
+        self._holder: str | None = None  # which of the two holds it
 
     @property
     def cache(self):
@@ -117,6 +120,11 @@ class Conversation:
             return None
         return self.tokens[:, :min(self.cache.layers[0].end, self.tokens.shape[1])]
 
+    def holds(self) -> bool:
+        """A generation is over: the cache holds the conversation (see the module)."""
+        self.settle()
+        return self.phase == "held"
+
     def continues(self, input_ids: torch.Tensor) -> bool:
         """Whether a generate of `input_ids` [B, L] continues what the cache holds: a conversation after a generation,
         or a fresh prompt that the ids extend by more than one token (rather than the prompt it was filled with)."""
@@ -158,6 +166,23 @@ class Conversation:
         self.tokens = ids[None].clone()
         return start
 
+    def rewind(self, length: int) -> None:
+        """Go back to the conversation's first `length` positions (1 <= length <= what is held): the KV and ids
+        after them are dropped — the transferred prompt's as well as what this side computed — so that the next
+        turn continues from there (an agent undoing a turn, a branch trying another reply)."""
+        self.settle()
+        self.refuse_busy("rewind: ")
+        if self.tokens is None or self.tokens.shape[0] != 1:
+            raise ValueError("rewind takes a one-row LynxCache that knows its ids (one built by a prefill)")
+        cache = self.cache
+        cache.seal()
+        self.phase, held = "held", cache.layers[0].end
+        if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= held:
+            raise ValueError(f"rewind to {length!r} tokens: this LynxCache holds {held} (give 1 to {held})")
+        for l in cache.layers:
+            l.crop_to(length)
+        self.tokens = self.tokens[:, :length].clone()
+
     def begin_range(self, input_ids: torch.Tensor, extend=None) -> None:
         """After `continue_turn`: `input_ids` [1, L] become the cache's prompt, positions [start, L) new — to arrive
         through a loader (extend None) or appended here in full precision (extend: the layers' `append_sealed`)."""
@@ -171,6 +196,23 @@ class Conversation:
         self.phase = "fresh"
 
     # -- a generate call ----------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def claim(self, what: str = "", holder: str = "branch"):
+        """This conversation, for one generate call (holder "generate") or one branch being made, from its first
+        step to its last. A branch is refused at once while anything holds it (a copy made while a turn extends the
+        KV would hold half of it); a generate waits for a branch being made, and is refused by another generate."""
+        if self.listening:
+            raise ValueError(f"{what}{BUSY}")
+        while not self._claim.acquire(timeout=0.01):
+            if holder == "branch" or self._holder != "branch":
+                raise ValueError(f"{what}{BUSY}")
+        self._holder = holder
+        try:
+            yield self
+        finally:
+            self._holder = None
+            self._claim.release()
+
     def refuse_busy(self, what: str = "") -> None:
         if self.phase in ("busy", "plain", "broken"):
             raise ValueError(f"{what}{BROKEN if self.phase == 'broken' else BUSY}")
@@ -263,6 +305,10 @@ class Conversation:
     # -- branches -----------------------------------------------------------------------------------------------------
     def branch(self, memo: dict, what: str, share: bool):
         """A new cache holding this conversation: its KV deep-copied, or (share) the sealed KV itself."""
+        with self.claim(f"{what}: "):
+            return self._branch(memo, what, share)
+
+    def _branch(self, memo: dict, what: str, share: bool):
         cache = self.cache
         self.settle()
         self.refuse_busy(f"{what}: ")

@@ -256,6 +256,15 @@ class LynxCache(Cache):
             for l in self.layers:
                 l.crop_to(tokens.shape[1])
 
+    def crop(self, tokens_to_remove: int) -> None:
+        """Transformers' crop: drop that many (-tokens_to_remove) tail positions. A held conversation may go back
+        past the transferred prompt too (`conversation.rewind`); inside a generation, only the decode-side tail."""
+        if tokens_to_remove < 0 and self.conversation.holds():
+            self.seal()  # (drafts' KV past an EOS dropped: what is held is what the ids say)
+            self.conversation.rewind(self.layers[0].end + tokens_to_remove)
+        else:
+            super().crop(tokens_to_remove)
+
     def close(self) -> None:
         """Release the loader (stops a simulated link; a network receiver reads on to its request's end or cancels
         it) and drop the reference to it, so that no cache ↔ loader cycle outlives the request (caches are then

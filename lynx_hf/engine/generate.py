@@ -93,6 +93,14 @@ def _generate(model, input_ids, logits_processor, stopping_criteria, gc, streams
         raise ValueError("speculative_generate needs cache=LynxCache(...) (e.g. from LynxCache.from_prefill)")
     conv = cache.conversation
     conv.listening = False  # generate marked the cache as given to it; this call takes it (no plain forward)
+    with conv.claim(holder="generate"):  # until it returns: a copy or fork of the cache, or another generate on it, is refused
+        return _generate_claimed(model, input_ids, logits_processor, stopping_criteria, gc, streams, spec,
+                                 stop_strings, token_healing, model_kwargs, cache)
+
+
+def _generate_claimed(model, input_ids, logits_processor, stopping_criteria, gc, streams: _Streams, spec,
+                      stop_strings, token_healing, model_kwargs, cache):
+    conv = cache.conversation
     spec = spec or cache.spec_config
     if (gc.num_beams or 1) > 1 or (gc.num_return_sequences or 1) > 1:
         raise ValueError("speculative_generate decodes one sequence per prompt row: num_beams > 1 and "

@@ -40,11 +40,12 @@ def quote_peer(text, limit: int = PEER_TEXT) -> str:
 
 
 class PeerError(WireError):
-    """The peer sent an ERROR frame; `reason` is what it said (raw; the message quotes it)."""
+    """The peer sent an ERROR frame; `reason` is what it said (raw; the message quotes it), `request_id` the frame's,
+    `refused` whether it refuses that one request only (wire.RequestRefused) rather than ending the connection."""
 
-    def __init__(self, reason):
+    def __init__(self, reason, request_id: int = 0, refused: bool = False):
         super().__init__(f"peer reported an error: {quote_peer(reason)}")
-        self.reason = reason
+        self.reason, self.request_id, self.refused = reason, request_id, refused
 
 
 class HandshakeRefused(WireError):
@@ -157,7 +158,8 @@ class Channel:
             raise WireError("MAC-tagged frame before the handshake")
         self.checker.check(f)
         if f.type == FrameType.ERROR and expect != FrameType.ERROR:
-            raise PeerError(f.json().get("error", "?"))
+            j = f.json()
+            raise PeerError(j.get("error", "?"), f.request_id, j.get("refused") is True)
         if expect is not None and f.type != expect:
             raise WireError(f"expected {expect.name}, got {f.type.name}")
         return f

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..arch import fingerprint, kv_geometry, max_prompt_tokens
+from ..arch import context_budget, fingerprint, kv_geometry, max_prompt_tokens
 from ..cache import LynxCache
 from ..config import LynxQuantConfig, SpecConfig
 from ..engine.warm import warm_up
@@ -28,9 +28,9 @@ from ..trace import DictReads
 from .prefix_cache import token_digest
 from . import nixl
 from .serde import check_residual, stream_bound, to_split, unpack_logits, unpack_segment, warm
-from .auth import Channel, client_handshake, resolve_secret
+from .auth import Channel, PeerError, client_handshake, quote_peer, resolve_secret
 from .transport import TcpTransport, TlsTcpTransport
-from .wire import FrameType, Stream, WireError
+from .wire import FrameType, RequestRefused, Stream, WireError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -60,14 +60,15 @@ class TurnResult(DictReads):
     dropped_frames: int
     placed_segments: int
     loader_error: str | None
+    finish_reason: str = "length"  # "length" (max_new_tokens), "context" (the model's context ended), "stop"
 
     @classmethod
-    def of(cls, tokens, t0, cache, held, prefix_hit, loader) -> "TurnResult":
+    def of(cls, tokens, t0, cache, held, prefix_hit, loader, finish_reason: str = "length") -> "TurnResult":
         gen, ver = cache.trace.times("draft", "verified"), cache.trace.times("verified")
         return cls(tokens, t0, cache, held, prefix_hit, gen[0], ver[0], ver[min(32, len(ver)) - 1], loader.prefill_s,
                    cache.stats.as_dict(), list(cache.trace.events), list(cache.trace.timeline), cache.nbytes(),
                    cache.nbytes("anchor"), cache.nbytes("staged"), loader.cancelled, loader.dropped, loader.placed,
-                   None if loader.error is None else str(loader.error))
+                   None if loader.error is None else str(loader.error), finish_reason)
 
 
 class NetworkLoader(Loader):
@@ -224,6 +225,7 @@ class DecodeClient:
         self.ch = Channel(t)
         self._rid = 0
         self._broken: BaseException | None = None
+        self._lock = threading.Lock()  # one request at a time on the connection (threads sharing a client queue)
         try:
             client_handshake(self.ch, key, self.fp)
         except BaseException:
@@ -246,21 +248,63 @@ class DecodeClient:
     def generate(self, input_ids: list[int], quant_config: LynxQuantConfig | None = None, max_new_tokens: int = 32,
                  speculative: bool = True, spec_config: SpecConfig | None = None, cache: LynxCache | None = None,
                  keep_cache: bool = False, **gen_kwargs) -> TurnResult:
-        """Send the prompt, receive its KV and logits, and generate `max_new_tokens` tokens (the first included)
-        with any generation options (`gen_kwargs`, greedy by default). `cache`: the LynxCache of this conversation's
-        previous turn (result["cache"]); `input_ids` then extends what it holds and only the new positions cross the
-        link. With a cache (or `keep_cache`) the request's streams always run to their end, so that the returned
-        cache can be continued; without, an early stop cancels what is still queued."""
+        """Send the prompt, receive its KV and logits, and generate up to `max_new_tokens` tokens (the first
+        included; fewer where the model's context ends: `finish_reason` "context") with any generation options
+        (`gen_kwargs`, greedy by default). `cache`: the LynxCache of this conversation's previous turn
+        (result["cache"]); `input_ids` then extends what it holds and only the new positions cross the link. With a
+        cache (or `keep_cache`) the request's streams always run to their end, so that the returned cache can be
+        continued; without, an early stop cancels what is still queued.
+
+        Failures. A refusal of this request — its arguments here (before anything is sent), the prefill server's
+        (`RequestRefused`: its context, the codec) or generate's own (an option it rejects) — leaves the connection
+        usable; only a failed transport (peer gone, a bad frame, a timeout) breaks it (`broken`). Threads may share
+        a client: its requests take turns on the connection."""
+        ids, max_new = self.check_turn(input_ids, max_new_tokens, cache)
+        with self._lock:
+            if self._broken is not None:
+                raise ConnectionError(f"this connection failed earlier ({self._broken}); open a new DecodeClient "
+                                      f"and go on with Session.reconnect(client)")
+            return self._turn(ids, max_new, max_new < max_new_tokens, quant_config, speculative, spec_config, cache,
+                              keep_cache or cache is not None, gen_kwargs)
+
+    def _turn(self, ids, max_new, clipped, quant_config, speculative, spec_config, cache, keep, gen_kwargs):
         from ..engine import speculative_generate
 
-        if self._broken is not None:
-            raise ConnectionError(f"this connection failed earlier ({self._broken}); open a new DecodeClient")
-        ids = self.check_turn(input_ids, max_new_tokens, cache)
-        keep = keep_cache or cache is not None
         cfg = cache.quant_config if cache is not None and quant_config is None else quant_config or LynxQuantConfig()
         if cache is not None:  # the turn runs on a branch: whatever fails, `cache` stays as it was
             cache = cache.fork()
         held = cache.conversation.continue_turn(ids) if cache is not None else 0  # waits for the last turn's residual
+        t0, p, rid, arena = self._request(ids, cfg, held)
+        spec = spec_config or SpecConfig(max_draft_steps=64 if speculative else 0)
+        if p["start"] == held and cache is not None:  # the new range, behind what the cache holds
+            cache.quant_config = cfg
+            cache.conversation.begin_range(ids)
+            cache.trace.stats.held_tokens = held
+        else:  # a first turn, or a refused claim: the whole prompt into a new cache
+            # waits are bounded by the loader's per-frame timeout (a silent peer fails the cache), not by the cache's
+            cache = LynxCache(p["num_layers"], p["prompt_len"], cfg, dtype=DTYPES[p["dtype"]], device=ids.device,
+                              timeout_s=self.timeout + 600, sliding_windows=p["windows"]).bind(self.model)
+            cache.conversation.expect_prompt(ids)
+            cache.trace.stats.held_refused = p.get("refused")
+        cache.trace.t0 = t0  # one clock: every figure of this request counts from sending it
+        loader = NetworkLoader(self.ch, p, rid, self.timeout, arena).attach(cache)
+        try:
+            if "streamer" in gen_kwargs and "lynx_streamer" not in gen_kwargs:  # Transformers would keep it
+                gen_kwargs["lynx_streamer"] = gen_kwargs.pop("streamer")
+            out = self.model.generate(ids, cache=cache, custom_generate=speculative_generate, spec_config=spec,
+                                      max_new_tokens=max_new, **{"do_sample": False, **gen_kwargs})
+        except BaseException as e:
+            if not (isinstance(e, Exception) and self._settle(cache, loader, cancel=True)):
+                self._broken = e  # interrupted, or the stream did not end cleanly: the connection's state is unknown
+            raise
+        self._settle(cache, loader, cancel=not keep)  # without keep, an early stop cancels the frames still queued
+        tokens = out[0, ids.shape[1]:].tolist()
+        reason = "context" if clipped and len(tokens) == max_new else "length" if len(tokens) == max_new else "stop"
+        return TurnResult.of(tokens, t0, cache, held, p.get("prefix_hit"), loader, reason)
+
+    def _request(self, ids: torch.Tensor, cfg: LynxQuantConfig, held: int):
+        """Send the REQUEST and read its PROMPT: (t0, prompt, request id, NIXL arena or None). The server's refusal
+        of this request (RequestRefused) leaves the connection as it was; any other failure breaks it."""
         self._rid += 1
         rid = self._rid
         warm(cfg, self.geometry, ids.shape[1], DTYPES[self.geometry["dtype"]], held)  # the receiver: no torch op
@@ -281,37 +325,29 @@ class DecodeClient:
                 raise WireError(f"the prefill side ships from position {p.get('start')!r}, this side holds {held}")
             if arena is not None and p.get("data_plane") != "nixl":
                 raise WireError("the prefill server did not take the NIXL data plane")
+        except PeerError as e:
+            if not (e.refused and e.request_id == rid):
+                self._broken, self._arena = e, arena
+                raise
+            if arena is not None:
+                arena.close()  # the server never began this request's data plane
+            raise RequestRefused(f"the prefill server refused this request: {quote_peer(e.reason)}") from None
         except BaseException as e:
             self._broken, self._arena = e, arena  # (a broken connection keeps its arena: nothing may write freed memory)
             raise
-        spec = spec_config or SpecConfig(max_draft_steps=64 if speculative else 0)
-        if p["start"] == held and cache is not None:  # the new range, behind what the cache holds
-            cache.quant_config = cfg
-            cache.conversation.begin_range(ids)
-            cache.trace.stats.held_tokens = held
-        else:  # a first turn, or a refused claim: the whole prompt into a new cache
-            # waits are bounded by the loader's per-frame timeout (a silent peer fails the cache), not by the cache's
-            cache = LynxCache(p["num_layers"], p["prompt_len"], cfg, dtype=DTYPES[p["dtype"]], device=ids.device,
-                              timeout_s=self.timeout + 600, sliding_windows=p["windows"]).bind(self.model)
-            cache.conversation.expect_prompt(ids)
-            cache.trace.stats.held_refused = p.get("refused")
-        cache.trace.t0 = t0  # one clock: every figure of this request counts from sending it
-        loader = NetworkLoader(self.ch, p, rid, self.timeout, arena).attach(cache)
-        try:
-            if "streamer" in gen_kwargs and "lynx_streamer" not in gen_kwargs:  # Transformers would keep it
-                gen_kwargs["lynx_streamer"] = gen_kwargs.pop("streamer")
-            out = self.model.generate(ids, cache=cache, custom_generate=speculative_generate, spec_config=spec,
-                                      max_new_tokens=max_new_tokens, **{"do_sample": False, **gen_kwargs})
-        except BaseException as e:
-            self._broken = e
-            raise
-        if not keep:
-            cache.close()  # an early stop cancels the frames still queued
+        return t0, p, rid, arena
+
+    def _settle(self, cache: LynxCache, loader: "NetworkLoader", cancel: bool) -> bool:
+        """After generate: the request's streams read to their end — `cancel`: what is still queued is dropped
+        (nothing will read it) — bounded by the receiver's per-frame timeout. Returns whether the connection can
+        carry another request."""
+        if cancel:
+            cache.close()
         while not loader.done.wait(0.2) and loader.error is None:
-            pass  # the stream goes on after an early stop; the receiver's per-frame timeout bounds this
-        if loader.error is not None:  # generation completed and verified; the connection is no longer usable
+            pass
+        if loader.error is not None:  # the connection is no longer usable (a completed generate was verified)
             self._broken = loader.error
-        return TurnResult.of(out[0, ids.shape[1]:].tolist(), t0, cache, held, p.get("prefix_hit"), loader)
+        return loader.error is None
 
     def _recv_prompt(self) -> dict:
         """The PROMPT frame's JSON, after any PROGRESS (the request waits for a working-set slot: the server is
@@ -322,10 +358,10 @@ class DecodeClient:
             raise WireError(f"expected PROMPT, got {f.type.name}")
         return f.json()
 
-    def check_turn(self, input_ids, max_new_tokens, cache: LynxCache | None) -> torch.Tensor:
+    def check_turn(self, input_ids, max_new_tokens, cache: LynxCache | None) -> tuple[torch.Tensor, int]:
         """A request's arguments, checked before anything is sent or any cache touched: ids a non-empty list of ints
         within the vocabulary and the model's context, max_new_tokens an int >= 1, `cache` one that can be continued.
-        Returns the ids as [1, L] on the model's device."""
+        Returns the ids as [1, L] on the model's device and the tokens it may generate (`context_budget`)."""
         bad = ValueError(f"input_ids must be a non-empty list of token ids (one sequence), got {str(input_ids)[:80]}")
         if isinstance(input_ids, torch.Tensor):
             if input_ids.dim() > 2 or input_ids.dim() == 2 and input_ids.shape[0] != 1 or input_ids.is_floating_point():
@@ -340,18 +376,18 @@ class DecodeClient:
         vocab = self.geometry["vocab"]
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"token id out of range [0, {vocab})")
-        if len(ids) > self.context:
-            raise ValueError(f"a prompt of {len(ids)} tokens exceeds this model's context of {self.context} tokens")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         if cache is not None and not isinstance(cache, LynxCache):
             raise TypeError(f"cache must be a LynxCache (a previous result's \"cache\"), got {type(cache).__name__}")
-        return torch.tensor([ids], device=next(self.model.parameters()).device)
+        return (torch.tensor([ids], device=next(self.model.parameters()).device),
+                context_budget(self.context, len(ids), max_new_tokens))
 
-    def session(self, cache: LynxCache | None = None, **defaults) -> "Session":
-        """A conversation on this connection: each `Session.generate(ids)` continues the previous turn's cache.
-        `cache`: a conversation to resume (another session's `cache`, e.g. after its connection failed)."""
-        return Session(self, cache=cache, **defaults)
+    def session(self, cache: LynxCache | None = None, tokenizer=None, **defaults) -> "Session":
+        """A conversation on this connection: each `Session.generate(conversation)` continues the previous turn's
+        cache. `cache`: a conversation to resume (another session's `cache`, e.g. after its connection failed);
+        tokenizer: for chat messages."""
+        return Session(self, cache=cache, tokenizer=tokenizer, **defaults)
 
     @property
     def broken(self) -> bool:
@@ -364,26 +400,69 @@ class DecodeClient:
 
 class Session:
     """One conversation over a DecodeClient: the LynxCache stays here between turns, so each turn's REQUEST says what
-    it holds and only the new positions cross the link. `generate(ids, **kw)` takes the whole conversation so far
-    (e.g. the chat template applied to every message) and returns DecodeClient.generate's result."""
+    it holds and only the new positions cross the link. `generate(conversation, **kw)` takes the whole conversation
+    so far — token ids, or chat messages rendered with the tokenizer's chat template — and returns a TurnResult.
 
-    def __init__(self, client: DecodeClient, on_mismatch: str = "crop", cache: LynxCache | None = None, **defaults):
+    A turn is transactional: it runs on a branch of the cache, which replaces `cache` only once the turn succeeded.
+    A refused turn (a bad argument, the context, the server's refusal) leaves the conversation and the connection
+    as they were; a failed connection (`client.broken`) leaves the conversation, to go on over another
+    (`reconnect`). `fork()` branches the conversation; `rollback(n)` undoes the last n turns."""
+
+    def __init__(self, client: DecodeClient, on_mismatch: str = "crop", cache: LynxCache | None = None,
+                 tokenizer=None, **defaults):
         """on_mismatch: what a turn whose ids contradict the held ones does — "crop" (a chat re-templated each turn
         may re-tokenize earlier text: the cache keeps the common prefix, the rest is shipped) or "error".
-        cache: the conversation so far (None: a new one)."""
+        cache: the conversation so far (None: a new one). tokenizer: renders chat messages (its chat template).
+        defaults: DecodeClient.generate's options for every turn."""
         if on_mismatch not in ("crop", "error"):
             raise ValueError(f"on_mismatch must be 'crop' or 'error', got {on_mismatch!r}")
         self.client, self.defaults, self.cache, self.on_mismatch = client, defaults, cache, on_mismatch
+        self.tokenizer = tokenizer
+        self.turn_ends: list[int] = []  # positions the cache held after each turn of this session
 
-    def generate(self, input_ids: list[int], **kw) -> TurnResult:
-        """The next turn. Transactional: it runs on a branch of the cache, which replaces `self.cache` only once the
-        turn has succeeded — a refused turn, a peer gone, a timeout or a cancelled generate leaves the conversation
-        exactly as it was, to go on here or, after a failed connection, on another (`reconnect`)."""
+    def generate(self, conversation, tools: list | None = None, **kw) -> TurnResult:
+        """The next turn: `conversation` is the ids so far, or a list of chat messages ({"role", "content"}; with
+        `tools=` passed to the template) rendered with `add_generation_prompt`."""
+        ids = self.render(conversation, tools)
         if self.cache is not None:
             self.cache.on_mismatch = self.on_mismatch
-        r = self.client.generate(input_ids, cache=self.cache, keep_cache=True, **{**self.defaults, **kw})
-        self.cache = r["cache"]
+        r = self.client.generate(ids, cache=self.cache, keep_cache=True, **{**self.defaults, **kw})
+        self.cache = r.cache
+        self.turn_ends.append(len(ids) + len(r.tokens) - 1)
         return r
+
+    def render(self, conversation, tools: list | None = None) -> list[int]:
+        """Token ids of `conversation` (ids pass through; messages through the tokenizer's chat template)."""
+        if isinstance(conversation, (list, tuple)) and conversation and all(isinstance(m, dict) for m in conversation):
+            if self.tokenizer is None:
+                raise ValueError("chat messages need a tokenizer: client.session(tokenizer=tok)")
+            out = self.tokenizer.apply_chat_template(list(conversation), tools=tools, add_generation_prompt=True,
+                                                     tokenize=True)
+            return list(out["input_ids"] if hasattr(out, "keys") else out)
+        if tools is not None:
+            raise ValueError("tools= goes with chat messages (a list of {'role', 'content'}), not token ids")
+        return conversation
+
+    def fork(self, client: DecodeClient | None = None) -> "Session":
+        """An independent branch of this conversation (its cache copied; the KV shared until either side writes),
+        on this session's connection or on `client`."""
+        s = Session(client or self.client, self.on_mismatch, None if self.cache is None else self.cache.fork(),
+                    self.tokenizer, **self.defaults)
+        s.turn_ends = list(self.turn_ends)
+        return s
+
+    def rollback(self, n_turns: int = 1) -> "Session":
+        """Undo the last `n_turns` turns of this session: the cache goes back to what it held after the turn before
+        them (every turn undone: a new conversation), so the next turn continues from there."""
+        if isinstance(n_turns, bool) or not isinstance(n_turns, int) or not 1 <= n_turns <= len(self.turn_ends):
+            raise ValueError(f"rollback takes 1 to {len(self.turn_ends)} turns (this session's), got {n_turns!r}")
+        keep = self.turn_ends[:-n_turns]
+        if keep:
+            self.cache.conversation.rewind(keep[-1])
+        else:
+            self.cache = None
+        self.turn_ends = keep
+        return self
 
     def reconnect(self, client: DecodeClient) -> "Session":
         """Go on with this conversation over another connection (e.g. after `client.broken`): its next turn says

@@ -46,7 +46,7 @@ from .auth import Channel, quote_peer
 from .prefix_cache import PrefixCache, layer_kv, token_digest
 from .serde import pack_logits, pack_segment, stream_bound
 from .transport import PRIO_ANCHOR, PRIO_END, PRIO_RESIDUAL
-from .wire import MAX_JSON, SEGMENT_TOKENS, FrameType, PeerClosed, Stream, WireError
+from .wire import MAX_JSON, SEGMENT_TOKENS, FrameType, PeerClosed, RequestRefused, Stream, WireError
 
 log = logging.getLogger("lynx_hf.prefill")
 PREFILL_STEP = 1024  # tokens of one forward pass of a long prompt (a short request waits for at most one)
@@ -166,7 +166,12 @@ class PrefillNode:
             if f.type != FrameType.REQUEST:
                 raise WireError(f"expected REQUEST, got {f.type.name}")
             last = f.request_id
-            info = serve_request(self, ch, f.json(), f.request_id, plane)
+            try:
+                info = serve_request(self, ch, f.json(), f.request_id, plane)
+            except RequestRefused as e:  # nothing of the request was sent: the connection goes on
+                log.warning("request %s from %s refused: %s", f.request_id, peer, e)
+                ch.send_json(FrameType.ERROR, {"error": str(e)[:500], "refused": True}, f.request_id)
+                continue
             log.info("request %s from %s: %s%s", f.request_id, peer, info,
                      f"; prefix cache {self.prefix.stats()}" if self.prefix is not None and self.prefix.budget else "")
 
@@ -221,15 +226,15 @@ class _Prefill:
         """The REQUEST's prompt, codec and held claim, checked before anything is allocated or computed."""
         ids, node = self.req.get("input_ids"), self.node
         if not (isinstance(ids, list) and len(ids) > 0 and all(type(i) is int for i in ids)):
-            raise WireError("input_ids must be a non-empty list of ints")
+            raise RequestRefused("input_ids must be a non-empty list of ints")
         if len(ids) > node.context:
-            raise WireError(f"a prompt of {len(ids)} tokens exceeds this model's context of {node.context} tokens")
+            raise RequestRefused(f"a prompt of {len(ids)} tokens exceeds this model's context of {node.context} tokens")
         if min(ids) < 0 or max(ids) >= node.vocab:
-            raise WireError(f"token id out of range [0, {node.vocab})")
+            raise RequestRefused(f"token id out of range [0, {node.vocab})")
         try:
             self.ids, self.cfg = ids, LynxQuantConfig.from_dict(self.req.get("quant_config") or {})
         except (ValueError, TypeError) as e:
-            raise WireError(f"bad quant_config: {e}") from None
+            raise RequestRefused(f"bad quant_config: {e}") from None
         self.held, self.refused = held_claim(self.req, ids, self.cfg, node.fp)
         if self.refused:
             log.warning("request %s: %s; shipping the whole prompt", self.rid, self.refused)
@@ -239,14 +244,14 @@ class _Prefill:
         Returns the hit's blocks (the cached prefix's KV)."""
         node, P = self.node, self.prompt_len
         if node.unservable:
-            raise WireError(node.unservable)
+            raise RequestRefused(node.unservable)
         self.hit, blocks = node.prefix.lookup(self.ids, P - 1) if node.prefix is not None else (0, [])
         prompt = {**kv_handshake(self.model, self.rid, P, self.cfg, node.geometry), "start": self.held,
                   "refused": self.refused, "prefix_hit": self.hit}
         dp = self.req.get("data_plane")
         if dp is not None:
             if self.conn_plane is None:
-                raise WireError("this prefill server has no NIXL data plane (start it with --data-plane nixl)")
+                raise RequestRefused("this prefill server has no NIXL data plane (start it with --data-plane nixl)")
             self.conn_plane.begin(dp, self.rid, stream_bound(self.cfg, prompt, P, getattr(torch, prompt["dtype"]),
                                                              self.held))
             self.plane, prompt["data_plane"] = self.conn_plane, "nixl"

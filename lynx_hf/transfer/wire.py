@@ -38,6 +38,12 @@ class PeerClosed(WireError):
     """The peer closed the connection at a frame boundary."""
 
 
+class RequestRefused(WireError):
+    """The prefill side refused one request before sending anything of it (its prompt, its codec, the server's
+    context or data plane): an ERROR frame with that request's id and `"refused": true` says so, and the connection
+    carries the next request. Every other ERROR ends the connection."""
+
+
 class FrameType(enum.IntEnum):
     HELLO = 1     # JSON: protocol version, model fingerprint, nonce, HMAC (handshake)
     OK = 2        # JSON: handshake accepted (+ server's HMAC)

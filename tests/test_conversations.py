@@ -1,0 +1,242 @@
+"""What an agent framework relies on in a conversation over the network (issue 40): a refused request — by this side
+before sending, by Transformers' generate, by the prefill server — leaves the connection and the conversation
+usable; threads share one DecodeClient (its requests take turns); generation stops where the model's context ends,
+saying so; a Session forks, rolls back turns, and takes chat messages; a held LynxCache crops back into its
+transferred prompt. The tiny model; loopback servers in this process."""
+import threading
+
+import pytest
+import torch
+
+from lynx_hf import LynxQuantConfig as Q
+from lynx_hf.arch import context_budget
+from lynx_hf.transfer import server as S
+from lynx_hf.transfer.decode import DecodeClient
+from lynx_hf.transfer.wire import RequestRefused
+
+SECRET = "conversations-secret"
+KW = dict(quant_config=Q(method="identity"), max_new_tokens=6)
+
+
+def ids(n, seed):
+    return torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture()
+def server(tiny):
+    srv = S.PrefillServer(tiny, secret=SECRET, prefix_cache_mb=16).start()
+    yield srv
+    srv.close()
+
+
+def whole(tiny, server, conv, **kw):
+    """The same conversation sent whole, on a connection of its own: what any continued turn must equal."""
+    fresh = DecodeClient(tiny, *server.address, secret=SECRET)
+    try:
+        return fresh.generate(conv, **{**KW, **kw})["tokens"]
+    finally:
+        fresh.close()
+
+
+def test_the_servers_refusal_of_one_request_leaves_the_connection_usable(tiny, server, monkeypatch):
+    cli = DecodeClient(tiny, *server.address, secret=SECRET)
+    sess = cli.session(**KW)
+    conv = ids(120, 1)
+    r1 = sess.generate(conv)
+    monkeypatch.setattr(server.node, "context", 100)  # smaller than the client's: only the server refuses
+    with pytest.raises(RequestRefused, match="exceeds this model's context of 100 tokens"):
+        sess.generate(conv + r1.tokens + ids(10, 2))
+    monkeypatch.undo()
+    assert not cli.broken
+    conv2 = conv + r1.tokens + ids(10, 3)
+    r2 = sess.generate(conv2)  # the same connection, the same conversation
+    assert r2.held_tokens == len(conv) + len(r1.tokens) - 1 and r2.tokens == whole(tiny, server, conv2)
+    cli.close()
+
+
+def test_an_option_generate_refuses_leaves_the_connection_usable(tiny, server):
+    """stop_strings without a tokenizer: Transformers refuses it after the request was sent; the stream is
+    cancelled and read to its end, and the connection goes on."""
+    cli = DecodeClient(tiny, *server.address, secret=SECRET)
+    sess = cli.session(**KW)
+    conv = ids(80, 4)
+    sess.generate(conv)
+    before = sess.held_ids
+    with pytest.raises(ValueError, match="tokenizer"):
+        sess.generate(conv + ids(5, 5), stop_strings=["x"])
+    assert not cli.broken and sess.held_ids == before
+    conv2 = before + ids(8, 6)
+    assert sess.generate(conv2).tokens == whole(tiny, server, conv2)
+    cli.close()
+
+
+def test_threads_share_one_client(tiny, server):
+    """4 threads x 3 turns, a Session each, on one DecodeClient: every turn equals its conversation sent whole."""
+    cli = DecodeClient(tiny, *server.address, secret=SECRET)
+    got, errors = {}, []
+
+    def chat(k):
+        try:
+            sess, conv = cli.session(**KW), ids(60 + 10 * k, 10 + k)
+            for t in range(3):
+                r = sess.generate(conv)
+                got[(k, t)] = (list(conv), r.tokens, r.held_tokens)
+                conv = conv + r.tokens + ids(7, 20 * k + t)
+        except Exception as e:  # noqa: BLE001 — reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=chat, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors and len(got) == 12 and not cli.broken
+    for (k, t), (conv, tokens, held) in got.items():
+        assert (held > 0) == (t > 0)
+        assert tokens == whole(tiny, server, conv), (k, t)
+    cli.close()
+
+
+def test_the_context_is_one_rule_and_generation_stops_where_it_ends(tiny, server):
+    assert context_budget(100, 90, 32) == 11 and context_budget(100, 100, 5) == 1 and context_budget(100, 10, 5) == 5
+    with pytest.raises(ValueError, match="101 tokens exceeds this model's context of 100"):
+        context_budget(100, 101, 1)
+    cli = DecodeClient(tiny, *server.address, secret=SECRET)
+    limit = cli.context
+    kw = {**KW, "max_new_tokens": 16}
+    r = cli.generate(ids(limit - 4, 7), eos_token_id=None, **{k: v for k, v in kw.items()})
+    assert len(r.tokens) == 5 and r.finish_reason == "context"  # positions run: limit - 4 + 5 - 1 = limit
+    r = cli.generate(ids(limit, 8), eos_token_id=None, **kw)
+    assert len(r.tokens) == 1 and r.finish_reason == "context"
+    r = cli.generate(ids(20, 9), eos_token_id=None, **kw)
+    assert len(r.tokens) == 16 and r.finish_reason == "length"
+    cli.close()
+
+
+def test_fork_and_rollback(tiny, server):
+    cli = DecodeClient(tiny, *server.address, secret=SECRET)
+    sess = cli.session(**KW)
+    conv1 = ids(90, 11)
+    r1 = sess.generate(conv1)
+    conv2 = conv1 + r1.tokens + ids(12, 12)
+    r2 = sess.generate(conv2)
+    branch = sess.fork()
+    conv3 = conv2 + r2.tokens + ids(9, 13)
+    r3 = sess.generate(conv3)
+    other = conv2 + r2.tokens + ids(9, 14)  # the branch answers something else, unaffected by the main line's turn
+    assert branch.generate(other).tokens == whole(tiny, server, other)
+    assert sess.held_ids == (conv3 + r3.tokens)[:-1]
+    sess.rollback(2)  # back to the end of turn 1: the transferred prompt's tail positions are gone too
+    assert sess.held_ids == (conv1 + r1.tokens)[:-1]
+    retry = conv1 + r1.tokens + ids(15, 15)
+    r = sess.generate(retry)
+    assert r.held_tokens == len(conv1) + len(r1.tokens) - 1 and r.tokens == whole(tiny, server, retry)
+    sess.rollback(2)
+    assert sess.cache is None and sess.generate(conv1).tokens == r1.tokens
+    with pytest.raises(ValueError, match="rollback takes 1 to 1 turns"):
+        sess.rollback(2)
+    cli.close()
+
+
+def test_a_held_cache_crops_into_its_transferred_prompt(tiny, server):
+    cli = DecodeClient(tiny, *server.address, secret=SECRET)
+    conv = ids(100, 16)
+    r = cli.generate(conv, keep_cache=True, **KW)
+    cache = r.cache
+    cache.crop(-(len(r.tokens) - 1 + 30))  # the reply's KV and the prompt's last 30 positions
+    assert cache.get_seq_length() == 70 and cache.held_ids[0].tolist() == conv[:70]
+    turn = conv[:70] + ids(10, 17)
+    r2 = cli.generate(turn, cache=cache, **KW)
+    assert r2.held_tokens == 70 and r2.tokens == whole(tiny, server, turn)
+    with pytest.raises(ValueError, match="rewind to 0 tokens"):
+        r2.cache.crop(-r2.cache.get_seq_length())
+    cli.close()
+
+
+class ChatTokenizer:
+    """A chat template in miniature (role marks, then the content's characters as ids), recording its calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=False, tokenize=True):
+        self.calls.append((len(messages), tools, add_generation_prompt))
+        out = []
+        for m in messages:
+            out += [3 if m["role"] == "system" else 4 if m["role"] == "user" else 5 if m["role"] == "tool" else 6]
+            out += [7 + ord(c) % 80 for c in m["content"]]
+        return {"input_ids": out + [6] * add_generation_prompt}
+
+
+def test_a_session_takes_chat_messages(tiny, server):
+    tok = ChatTokenizer()
+    cli = DecodeClient(tiny, *server.address, secret=SECRET)
+    sess = cli.session(tokenizer=tok, **KW)
+    msgs = [{"role": "system", "content": "You call tools." * 4}, {"role": "user", "content": "What is 2+2?" * 3}]
+    tools = [{"type": "function", "function": {"name": "add"}}]
+    r1 = sess.generate(msgs, tools=tools)
+    assert tok.calls[-1] == (2, tools, True)
+    msgs += [{"role": "assistant", "content": "call add"}, {"role": "tool", "content": "4" * 30}]
+    r2 = sess.generate(msgs, tools=tools)
+    rendered = tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True)["input_ids"]
+    assert r2.held_tokens > 0 and r2.tokens == whole(tiny, server, rendered)
+    assert r1.tokens == whole(tiny, server, tok.apply_chat_template(msgs[:2], add_generation_prompt=True)["input_ids"])
+    with pytest.raises(ValueError, match="need a tokenizer"):
+        cli.session(**KW).generate(msgs)
+    with pytest.raises(ValueError, match="tools= goes with chat messages"):
+        sess.generate(rendered, tools=tools)
+    cli.close()
+
+
+def test_a_copy_or_fork_during_a_running_generate_is_refused_at_once_or_is_whole(tiny):
+    """A thread copies and forks the cache as fast as it can while another continues the conversation in this
+    process (a turn whose new positions are computed here, then decoded): every copy either is refused at once or
+    holds the conversation exactly as it was before the turn or after it, never half of it. Before, a copy made
+    while the turn extended the KV came back broken (a later "size of tensor a (467) must match ... (735)")."""
+    import copy
+    import time
+
+    import lynx_hf
+    from lynx_hf import LynxCache
+
+    conv = torch.tensor([ids(150, 30)])
+    cache, _ = LynxCache.from_prefill(tiny, conv, quant_config=Q(method="identity"))
+    out = tiny.generate(conv, cache=cache, custom_generate=lynx_hf.speculative_generate, max_new_tokens=4,
+                        do_sample=False)
+    turn = torch.cat([out, torch.tensor([ids(200, 31)])], 1)
+    before = cache.held_ids.clone()
+    copies, refused, done = [], [], threading.Event()
+
+    def copier():
+        while not done.is_set():
+            try:
+                copies.append(copy.deepcopy(cache) if len(copies) % 2 else cache.fork())
+            except ValueError as e:
+                assert "in use by a generate call" in str(e)
+                refused.append(time.monotonic())
+            time.sleep(0.002)
+
+    # each forward of the turn takes 0.1 s between its layers: the first layer's KV is written, the second's not yet
+    slow = tiny.model.layers[1].register_forward_pre_hook(lambda *_: time.sleep(0.1))
+    th = threading.Thread(target=copier)
+    th.start()
+    try:
+        out2 = tiny.generate(turn, cache=cache, custom_generate=lynx_hf.speculative_generate, max_new_tokens=4,
+                             do_sample=False)
+    finally:
+        done.set()
+        th.join(60)
+        slow.remove()
+    after = cache.held_ids
+    assert refused and copies
+    nxt = ids(9, 32)
+    for c in copies[:: max(1, len(copies) // 6)]:
+        held = c.held_ids
+        assert torch.equal(held, before) or torch.equal(held, after)
+        assert c.get_seq_length() == held.shape[1]
+        base = out if torch.equal(held, before) else out2  # the copy goes on from where it stands
+        again = torch.cat([base, torch.tensor([nxt])], 1)
+        dc = tiny.generate(again, max_new_tokens=3, do_sample=False)
+        got = tiny.generate(again, cache=c, custom_generate=lynx_hf.speculative_generate, max_new_tokens=3,
+                            do_sample=False)
+        assert torch.equal(got, dc)
