@@ -6,7 +6,7 @@ import importlib
 __version__ = "0.1.0"
 _PUBLIC = {"LynxQuantConfig": ".config", "SpecConfig": ".config", "load_default_model": ".model", "quant": None,
            "LynxCache": ".local", "LoaderError": ".loader", "speculative_generate": ".engine", "warm_up": ".engine",
-           "SpeculativeStreamer": ".streamer"}
+           "SpeculativeStreamer": ".streamer", "Session": ".session", "LocalLink": ".session"}
 __all__ = list(_PUBLIC)
 
 

@@ -240,3 +240,79 @@ def test_a_copy_or_fork_during_a_running_generate_is_refused_at_once_or_is_whole
         got = tiny.generate(again, cache=c, custom_generate=lynx_hf.speculative_generate, max_new_tokens=3,
                             do_sample=False)
         assert torch.equal(got, dc)
+
+
+@pytest.mark.parametrize("where", ["local", "network"])
+def test_one_session_in_process_and_over_the_network(tiny, server, where):
+    """The same Session API on either link: three turns, a fork, a rollback, the context rule, each turn equal
+    to its conversation sent whole over a connection of its own."""
+    import lynx_hf
+
+    link = lynx_hf.LocalLink(tiny) if where == "local" else DecodeClient(tiny, *server.address, secret=SECRET)
+    sess = lynx_hf.Session(tiny if where == "local" else link, **KW)
+    conv = ids(70, 40)
+    for t in range(3):
+        r = sess.generate(conv)
+        assert r.tokens == whole(tiny, server, conv) and (r.held_tokens > 0) == (t > 0), t
+        assert r.finish_reason in ("length", "stop") and r.ttft_s is not None
+        conv = conv + r.tokens + ids(6, 41 + t)
+    branch = sess.fork()
+    sess.rollback(1)
+    assert branch.held_ids != sess.held_ids and len(sess.turn_ends) == 2
+    long_turn = sess.held_ids + ids(tiny.config.max_position_embeddings - len(sess.held_ids) - 2, 50)
+    r = sess.generate(long_turn, max_new_tokens=8, eos_token_id=None)
+    assert len(r.tokens) == 3 and r.finish_reason == "context"
+    assert branch.generate(conv).tokens == whole(tiny, server, conv)
+    if where == "network":
+        link.close()
+
+
+def test_serve_decode_session_lines_take_roles():
+    from lynx_hf.transfer.commands import turn_messages
+
+    assert turn_messages("hello", None) == ([{"role": "user", "content": "hello"}], None)
+    sys_user = '[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]'
+    assert turn_messages(sys_user, None)[0][0] == {"role": "system", "content": "be brief"}
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    import json
+
+    line = json.dumps({"messages": [{"role": "tool", "content": "42"}], "tools": tools})
+    assert turn_messages(line, None) == ([{"role": "tool", "content": "42"}], tools)
+    assert turn_messages('{"role": "user", "content": "x"}', tools)[1] == tools  # tools stay until changed
+    for bad, says in (('{"role": "boss", "content": "x"}', "takes messages"), ("[]", "takes messages"),
+                      ('{"role": "user"}', "takes messages"), ("{oops", "must be JSON"),
+                      ('{"messages": [{"role": "user", "content": "x"}], "tools": 3}', "must be a list")):
+        with pytest.raises(ValueError, match=says):
+            turn_messages(bad, None)
+
+
+def test_serve_decode_session_with_roles_end_to_end(model_and_tok, monkeypatch, capsys):
+    """An agent's turns through `serve-decode --session`: a system prompt and a user message, then a tool result;
+    each line one JSON answer, the second turn continuing the first's KV (held_tokens > 0), its reply equal to the
+    whole conversation rendered and sent on a connection of its own."""
+    import io
+    import json
+
+    import lynx_hf
+    from lynx_hf.cli import main
+
+    model, tok = model_and_tok
+    srv = S.PrefillServer(model, secret=SECRET).start()
+    monkeypatch.setattr(lynx_hf, "load_default_model", lambda *a, **k: (model, tok))
+    turns = [[{"role": "system", "content": "You are a calculator."}, {"role": "user", "content": "What is 6*7?"}],
+             {"messages": [{"role": "tool", "content": "42"}]}]
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("\n".join(map(json.dumps, turns)).encode())))
+    host, port = srv.address
+    try:
+        main(["serve-decode", "--prefill", f"{host}:{port}", "--secret", SECRET, "--session", "--method", "identity",
+              "--max-new-tokens", "6"])
+        out = [json.loads(l) for l in capsys.readouterr().out.splitlines() if l.startswith("{")]
+        assert len(out) == 2 and all("error" not in o for o in out), out
+        assert out[0]["held_tokens"] == 0 and out[1]["held_tokens"] > 0
+        msgs = turns[0] + [{"role": "assistant", "content": out[0]["text"]}] + turns[1]["messages"]
+        rendered = lynx_hf.Session(model, tokenizer=tok).render(msgs)
+        cli = DecodeClient(model, host, port, secret=SECRET)
+        assert out[1]["tokens"] == cli.generate(rendered, Q(method="identity"), max_new_tokens=6).tokens
+        cli.close()
+    finally:
+        srv.close()

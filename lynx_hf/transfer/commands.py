@@ -158,6 +158,7 @@ def _serve_decode(a):
     cfg = LynxQuantConfig.from_pretrained(a.lynx_config) if a.lynx_config else LynxQuantConfig(method=a.method)
     failed = False
     messages: list[dict] = []  # --session: the conversation so far (the chat template renders it each turn)
+    tools = None  # --session: the tools the last turn that named them gave the template
 
     def fail(msg: str) -> None:  # one JSON line for the caller's parser, one line on stderr for a person
         nonlocal failed
@@ -175,13 +176,11 @@ def _serve_decode(a):
                 if sess is not None:
                     sess.reconnect(cli)  # the conversation goes on: a failed turn left its cache as it was
             kw = dict(max_new_tokens=a.max_new_tokens, speculative=not a.no_drafts)
-            if a.session:  # the conversation's next user turn: only its new positions cross the link
-                sess = sess or cli.session()
-                ids = tok.apply_chat_template(messages + [{"role": "user", "content": text}],
-                                              add_generation_prompt=True, tokenize=True, return_dict=False)
-                r = sess.generate(ids, quant_config=cfg, **kw)
-                messages += [{"role": "user", "content": text},
-                             {"role": "assistant", "content": tok.decode(r["tokens"], skip_special_tokens=True)}]
+            if a.session:  # the conversation's next turn: only its new positions cross the link
+                sess = sess or cli.session(tokenizer=tok)
+                new, tools = turn_messages(text, tools)
+                r = sess.generate(messages + new, tools=tools, quant_config=cfg, **kw)
+                messages += new + [{"role": "assistant", "content": tok.decode(r["tokens"], skip_special_tokens=True)}]
             else:
                 r = cli.generate(tok(text).input_ids, cfg, **kw)
         except (LynxError, ConnectionError, TimeoutError, OSError, ValueError) as e:
@@ -199,6 +198,31 @@ def _serve_decode(a):
         cli.close()
     if failed:
         sys.exit(1)
+
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def turn_messages(line: str, tools):
+    """What one --session input line adds to the conversation, and the tools from then on: a plain line is a user
+    message; a JSON line is a message {"role", "content"}, a list of them, or {"messages": [...], "tools": [...]}
+    (an agent's system prompt, tool results, its own turns)."""
+    if not line.lstrip().startswith(("{", "[")):
+        return [{"role": "user", "content": line}], tools
+    try:
+        obj = json.loads(line)
+    except ValueError as e:
+        raise ValueError(f"a --session line that starts like JSON must be JSON: {e}") from None
+    if isinstance(obj, dict) and "messages" in obj:
+        tools, obj = obj.get("tools", tools), obj["messages"]
+        if tools is not None and not isinstance(tools, list):
+            raise ValueError("\"tools\" must be a list (of tool descriptions, as the chat template takes them)")
+    msgs = [obj] if isinstance(obj, dict) else obj
+    if not isinstance(msgs, list) or not msgs or not all(
+            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in msgs):
+        raise ValueError(f"a --session JSON line takes messages {{\"role\": one of {', '.join(ROLES)}, "
+                         f"\"content\": text}} (one, a list, or {{\"messages\": [...], \"tools\": [...]}})")
+    return [{"role": m["role"], "content": m["content"]} for m in msgs], tools
 
 
 def register(sub) -> None:
@@ -261,8 +285,11 @@ def register(sub) -> None:
     codec.add_argument("--lynx-config", help="the codec from a lynx_config.json (folder, file or Hub repo), e.g. "
                                              "written by `lynx-hf calibrate`")
     q.add_argument("--session", action="store_true",
-                   help="one conversation: each prompt is the next user turn (the chat template renders the whole "
-                        "conversation; the decode side keeps its KV, so only each turn's new tokens cross the link)")
+                   help="one conversation: each input line is the next turn — plain text: a user message; a JSON "
+                        "line: messages with roles ({\"role\": \"system\"|\"user\"|\"assistant\"|\"tool\", "
+                        "\"content\": ...}, a list of them, or {\"messages\": [...], \"tools\": [...]}). The chat "
+                        "template renders the whole conversation; the decode side keeps its KV, so only each turn's "
+                        "new tokens cross the link")
     q.add_argument("--max-new-tokens", type=tokens(), default=32, help="tokens to generate per prompt")
     q.add_argument("--timeout", type=seconds(), default=30.0,
                    help="seconds of silence from the server before a request fails (a queued request hears "

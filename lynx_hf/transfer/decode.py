@@ -8,23 +8,21 @@ anchor first, which the cache takes as a new range behind its held, full-precisi
 digest did not match) is answered with the whole prompt, into a new cache, and `stats.held_refused` says why."""
 from __future__ import annotations
 
-import operator
 import socket
 import ssl
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 
-from ..arch import context_budget, fingerprint, kv_geometry, max_prompt_tokens
+from ..arch import fingerprint, kv_geometry, max_prompt_tokens
 from ..cache import LynxCache
 from ..config import LynxQuantConfig, SpecConfig
 from ..engine.warm import warm_up
 from ..errors import ConfigError
 from ..flags import MAX_TIMEOUT_S, seconds
 from ..loader import Loader
-from ..trace import DictReads
+from ..session import Session, TurnResult, check_turn
 from .prefix_cache import token_digest
 from . import nixl
 from .serde import check_residual, stream_bound, to_split, unpack_logits, unpack_segment, warm
@@ -33,42 +31,6 @@ from .transport import TcpTransport, TlsTcpTransport
 from .wire import FrameType, RequestRefused, Stream, WireError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass
-class TurnResult(DictReads):
-    """What `DecodeClient.generate` (and `Session.generate`) returns; reads like a dict too (`r["tokens"]`). Times
-    count from sending the request (= its arrival at the prefill process, on loopback): to the first token this
-    process produced (draft or verified), to the first verified one (= stats' ttft_verified_s), to the 32nd."""
-
-    tokens: list                 # the generated ids (the first included)
-    t0: float                    # perf_counter when the request was sent
-    cache: LynxCache             # this turn's cache: continue the conversation with it
-    held_tokens: int             # tokens the cache held already (not shipped)
-    prefix_hit: int | None       # tokens the prefill server found in its prefix cache
-    ttft_s: float | None
-    ttft_verified_s: float | None
-    tt32t_s: float | None
-    prefill_s: float | None      # the prefill server's compute time
-    stats: dict                  # lynx_hf.trace.Stats, as a dict
-    events: list                 # stream arrivals (Trace.events)
-    timeline: list               # the decode side's tokens (Trace.timeline)
-    bytes: int                   # encoded bytes received, both streams
-    anchor_bytes: int
-    h2d_bytes: int               # bytes moved onto the cache's device
-    cancelled: bool              # an early stop cancelled frames still queued
-    dropped_frames: int
-    placed_segments: int
-    loader_error: str | None
-    finish_reason: str = "length"  # "length" (max_new_tokens), "context" (the model's context ended), "stop"
-
-    @classmethod
-    def of(cls, tokens, t0, cache, held, prefix_hit, loader, finish_reason: str = "length") -> "TurnResult":
-        gen, ver = cache.trace.times("draft", "verified"), cache.trace.times("verified")
-        return cls(tokens, t0, cache, held, prefix_hit, gen[0], ver[0], ver[min(32, len(ver)) - 1], loader.prefill_s,
-                   cache.stats.as_dict(), list(cache.trace.events), list(cache.trace.timeline), cache.nbytes(),
-                   cache.nbytes("anchor"), cache.nbytes("staged"), loader.cancelled, loader.dropped, loader.placed,
-                   None if loader.error is None else str(loader.error), finish_reason)
 
 
 class NetworkLoader(Loader):
@@ -259,7 +221,7 @@ class DecodeClient:
         (`RequestRefused`: its context, the codec) or generate's own (an option it rejects) — leaves the connection
         usable; only a failed transport (peer gone, a bad frame, a timeout) breaks it (`broken`). Threads may share
         a client: its requests take turns on the connection."""
-        ids, max_new = self.check_turn(input_ids, max_new_tokens, cache)
+        ids, max_new = check_turn(self.model, self.geometry["vocab"], self.context, input_ids, max_new_tokens, cache)
         with self._lock:
             if self._broken is not None:
                 raise ConnectionError(f"this connection failed earlier ({self._broken}); open a new DecodeClient "
@@ -298,9 +260,8 @@ class DecodeClient:
                 self._broken = e  # interrupted, or the stream did not end cleanly: the connection's state is unknown
             raise
         self._settle(cache, loader, cancel=not keep)  # without keep, an early stop cancels the frames still queued
-        tokens = out[0, ids.shape[1]:].tolist()
-        reason = "context" if clipped and len(tokens) == max_new else "length" if len(tokens) == max_new else "stop"
-        return TurnResult.of(tokens, t0, cache, held, p.get("prefix_hit"), loader, reason)
+        return TurnResult.of(out[0, ids.shape[1]:].tolist(), t0, cache, held, p.get("prefix_hit"), loader, max_new,
+                             clipped)
 
     def _request(self, ids: torch.Tensor, cfg: LynxQuantConfig, held: int):
         """Send the REQUEST and read its PROMPT: (t0, prompt, request id, NIXL arena or None). The server's refusal
@@ -358,31 +319,6 @@ class DecodeClient:
             raise WireError(f"expected PROMPT, got {f.type.name}")
         return f.json()
 
-    def check_turn(self, input_ids, max_new_tokens, cache: LynxCache | None) -> tuple[torch.Tensor, int]:
-        """A request's arguments, checked before anything is sent or any cache touched: ids a non-empty list of ints
-        within the vocabulary and the model's context, max_new_tokens an int >= 1, `cache` one that can be continued.
-        Returns the ids as [1, L] on the model's device and the tokens it may generate (`context_budget`)."""
-        bad = ValueError(f"input_ids must be a non-empty list of token ids (one sequence), got {str(input_ids)[:80]}")
-        if isinstance(input_ids, torch.Tensor):
-            if input_ids.dim() > 2 or input_ids.dim() == 2 and input_ids.shape[0] != 1 or input_ids.is_floating_point():
-                raise bad
-            input_ids = input_ids.reshape(-1).tolist()
-        try:
-            ids = [operator.index(i) for i in input_ids]
-        except TypeError:
-            raise bad from None
-        if not ids:
-            raise bad
-        vocab = self.geometry["vocab"]
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"token id out of range [0, {vocab})")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        if cache is not None and not isinstance(cache, LynxCache):
-            raise TypeError(f"cache must be a LynxCache (a previous result's \"cache\"), got {type(cache).__name__}")
-        return (torch.tensor([ids], device=next(self.model.parameters()).device),
-                context_budget(self.context, len(ids), max_new_tokens))
-
     def session(self, cache: LynxCache | None = None, tokenizer=None, **defaults) -> "Session":
         """A conversation on this connection: each `Session.generate(conversation)` continues the previous turn's
         cache. `cache`: a conversation to resume (another session's `cache`, e.g. after its connection failed);
@@ -396,81 +332,3 @@ class DecodeClient:
 
     def close(self) -> None:
         self.ch.close()
-
-
-class Session:
-    """One conversation over a DecodeClient: the LynxCache stays here between turns, so each turn's REQUEST says what
-    it holds and only the new positions cross the link. `generate(conversation, **kw)` takes the whole conversation
-    so far — token ids, or chat messages rendered with the tokenizer's chat template — and returns a TurnResult.
-
-    A turn is transactional: it runs on a branch of the cache, which replaces `cache` only once the turn succeeded.
-    A refused turn (a bad argument, the context, the server's refusal) leaves the conversation and the connection
-    as they were; a failed connection (`client.broken`) leaves the conversation, to go on over another
-    (`reconnect`). `fork()` branches the conversation; `rollback(n)` undoes the last n turns."""
-
-    def __init__(self, client: DecodeClient, on_mismatch: str = "crop", cache: LynxCache | None = None,
-                 tokenizer=None, **defaults):
-        """on_mismatch: what a turn whose ids contradict the held ones does — "crop" (a chat re-templated each turn
-        may re-tokenize earlier text: the cache keeps the common prefix, the rest is shipped) or "error".
-        cache: the conversation so far (None: a new one). tokenizer: renders chat messages (its chat template).
-        defaults: DecodeClient.generate's options for every turn."""
-        if on_mismatch not in ("crop", "error"):
-            raise ValueError(f"on_mismatch must be 'crop' or 'error', got {on_mismatch!r}")
-        self.client, self.defaults, self.cache, self.on_mismatch = client, defaults, cache, on_mismatch
-        self.tokenizer = tokenizer
-        self.turn_ends: list[int] = []  # positions the cache held after each turn of this session
-
-    def generate(self, conversation, tools: list | None = None, **kw) -> TurnResult:
-        """The next turn: `conversation` is the ids so far, or a list of chat messages ({"role", "content"}; with
-        `tools=` passed to the template) rendered with `add_generation_prompt`."""
-        ids = self.render(conversation, tools)
-        if self.cache is not None:
-            self.cache.on_mismatch = self.on_mismatch
-        r = self.client.generate(ids, cache=self.cache, keep_cache=True, **{**self.defaults, **kw})
-        self.cache = r.cache
-        self.turn_ends.append(len(ids) + len(r.tokens) - 1)
-        return r
-
-    def render(self, conversation, tools: list | None = None) -> list[int]:
-        """Token ids of `conversation` (ids pass through; messages through the tokenizer's chat template)."""
-        if isinstance(conversation, (list, tuple)) and conversation and all(isinstance(m, dict) for m in conversation):
-            if self.tokenizer is None:
-                raise ValueError("chat messages need a tokenizer: client.session(tokenizer=tok)")
-            out = self.tokenizer.apply_chat_template(list(conversation), tools=tools, add_generation_prompt=True,
-                                                     tokenize=True)
-            return list(out["input_ids"] if hasattr(out, "keys") else out)
-        if tools is not None:
-            raise ValueError("tools= goes with chat messages (a list of {'role', 'content'}), not token ids")
-        return conversation
-
-    def fork(self, client: DecodeClient | None = None) -> "Session":
-        """An independent branch of this conversation (its cache copied; the KV shared until either side writes),
-        on this session's connection or on `client`."""
-        s = Session(client or self.client, self.on_mismatch, None if self.cache is None else self.cache.fork(),
-                    self.tokenizer, **self.defaults)
-        s.turn_ends = list(self.turn_ends)
-        return s
-
-    def rollback(self, n_turns: int = 1) -> "Session":
-        """Undo the last `n_turns` turns of this session: the cache goes back to what it held after the turn before
-        them (every turn undone: a new conversation), so the next turn continues from there."""
-        if isinstance(n_turns, bool) or not isinstance(n_turns, int) or not 1 <= n_turns <= len(self.turn_ends):
-            raise ValueError(f"rollback takes 1 to {len(self.turn_ends)} turns (this session's), got {n_turns!r}")
-        keep = self.turn_ends[:-n_turns]
-        if keep:
-            self.cache.conversation.rewind(keep[-1])
-        else:
-            self.cache = None
-        self.turn_ends = keep
-        return self
-
-    def reconnect(self, client: DecodeClient) -> "Session":
-        """Go on with this conversation over another connection (e.g. after `client.broken`): its next turn says
-        what the cache holds, so only the new positions are shipped."""
-        self.client = client
-        return self
-
-    @property
-    def held_ids(self) -> list[int]:
-        """The conversation as the cache holds it (every token but the last reply's last one)."""
-        return [] if self.cache is None or self.cache.held_ids is None else self.cache.held_ids[0].tolist()
