@@ -1,16 +1,20 @@
 """`lynx-hf bench session`: an agent's conversation between two processes over an emulated link — each turn a real
 tool output (Python standard-library source, 500–800 tokens) and the assistant's generated reply — with the whole
-history re-shipped every turn ("whole") or only the turn's new positions ("delta", the decode side keeps the
-conversation's LynxCache and the prefill side its prefix cache).
+history re-shipped every turn ("whole"), only the turn's new positions ("delta": the decode side keeps the
+conversation's LynxCache and the prefill side its prefix cache), or ("lynx/auto") each turn's new positions
+computed where `session.Placement` expects the first token sooner, the prefill node or this one (conditional
+disaggregation; the row's `prefilled_on` says where).
 
 The conversation: a system prompt of ~1K tokens describing tools (their standard-library docstrings), then per turn a
 tool message and the assistant's reply of `--new-tokens` tokens (at least 32: TT32T). Every arm runs its own copy of
-the conversation (replies are the arm's own, all of one length); the arms take their turns interleaved, so a busy
-moment of the machine falls on all of them. Per turn and arm: TTFT (first token), first verified token, TT32T,
-bytes on the wire (anchor / residual), the positions shipped and those the prefill side computed (past its prefix
-hit), and for Lynx `identical`: the turn's tokens equal the same KV decoded without drafts (a plain generate on the
-turn's cache from its first token: one-token steps on the full tier). Progress bar; a PNG of TTFT per turn by arm;
-one JSON line at the end, {"arms": {"lynx/delta": [per turn], "lynx/whole": [...], ...}, ...}."""
+the conversation (replies are the arm's own, all of one length; its system prompt opens with the arm's name, so the
+prefill server's prefix cache serves each arm its own earlier turns and never another arm's, as a real conversation
+is served); the arms take their turns interleaved, so a busy moment of the machine falls on all of them. Per turn
+and arm: TTFT (first token), first verified token, TT32T, bytes on the wire (anchor / residual), the positions
+shipped and those the prefill side computed (past its prefix hit), and for Lynx `identical`: the turn's tokens equal
+the same KV decoded without drafts (a plain generate on the turn's cache from its first token: one-token steps on
+the full tier). Progress bar; a PNG of TTFT per turn by arm; one JSON line at the end,
+{"arms": {"lynx/delta": [per turn], "lynx/whole": [...], ...}, ...}."""
 from __future__ import annotations
 
 import inspect
@@ -71,11 +75,13 @@ class Chat:
         return self.ids("<|im_end|>\n" if self.chatml else "\n\n")
 
 
-def conversation(tok, turns: int, seed: int = 0, system_tokens: int = 1024) -> tuple[list[int], list[list[int]]]:
-    """(system prompt ids, the tool messages' ids per turn, reply prompt included), from standard-library text."""
+def conversation(tok, turns: int, seed: int = 0, system_tokens: int = 1024,
+                 tag: str = "") -> tuple[list[int], list[list[int]]]:
+    """(system prompt ids, the tool messages' ids per turn, reply prompt included), from standard-library text.
+    `tag` opens the system prompt (an arm's own: no two arms share a prefix-cache block)."""
     chat, rng = Chat(tok), random.Random(seed)
     desc = "".join(f"- {p}{inspect.signature(_obj(p))}: {inspect.getdoc(_obj(p))}\n" for p in TOOLS)
-    head = ("You are a coding agent working in a Python repository. Call a tool by writing its name and arguments; "
+    head = (f"{tag}You are a coding agent working in a Python repository. Call a tool by writing its name and arguments; "
             "each tool's output comes back in a message from the tool. Tools:\n")
     system = chat.ids(head + desc)[:system_tokens - 16]
     system = chat.message("system", tok.decode(system))
@@ -95,7 +101,8 @@ def _turn_row(r: dict, turn: int, ids: list[int], identical) -> dict:
             "tt32t_s": r["tt32t_s"], "wire_bytes": r["bytes"], "anchor_bytes": r["anchor_bytes"],
             "residual_bytes": r["bytes"] - r["anchor_bytes"],
             "prefill_tokens": len(ids) - (r.get("prefix_hit") or 0), "prefill_s": r["prefill_s"],
-            "drafted": r["stats"]["drafted"], "accepted": r["stats"]["accepted"], "identical": identical}
+            "drafted": r["stats"]["drafted"], "accepted": r["stats"]["accepted"], "identical": identical,
+            "prefilled_on": r.get("prefilled_on", "prefill")}
 
 
 def no_draft_reference(model, cache, ids: list[int], tokens: list[int]) -> list[int]:
@@ -111,23 +118,27 @@ def no_draft_reference(model, cache, ids: list[int], tokens: list[int]) -> list[
 
 def run(turns: int = 4, bandwidth_mbps: float = 15.0, new_tokens: int = 32, prefix_cache: bool = True,
         bf16_whole: bool = False, model_name: str | None = None, out_dir: str = OUT,
-        as_json: bool = False, seed: int = 0, results: str | None = None) -> dict:
+        as_json: bool = False, seed: int = 0, results: str | None = None, port: int | None = None) -> dict:
     say = printer(as_json, stderr=True)
     if new_tokens < 32:
         raise ValueError("--new-tokens must be at least 32 (TT32T)")
     model, tok = lynx_hf.load_default_model(model_name)
-    system, msgs = conversation(tok, turns, seed)
     chat = Chat(tok)
     plan = [(f"{c}/whole", c, False) for c in (("bf16",) if bf16_whole else ()) + WHOLE] + \
-           [(f"{c}/delta", c, True) for c in DELTA]
-    conv = {name: list(system) for name, _, _ in plan}
+           [(f"{c}/delta", c, True) for c in DELTA] + [("lynx/auto", "lynx", True)]
+    # each arm its own conversation, told apart from its first token: the prefill server's prefix cache serves an
+    # arm its own earlier turns, never another arm's (as one real conversation is served)
+    convs = {name: conversation(tok, turns, seed, tag=f"Session {name}. ") for name, _, _ in plan}
+    conv = {name: list(convs[name][0]) for name in convs}
+    msgs = convs[plan[0][0]][1]  # the tool outputs: the same in every arm
+    system = convs[plan[0][0]][0]
     arms = {name: [] for name, _, _ in plan}
     server_args = ("--prefix-cache-mb", "4096" if prefix_cache else "0")
     say(f"starting the prefill process (link emulator {bandwidth_mbps:g} Mbit/s, prefix cache "
         f"{'on' if prefix_cache else 'off'}) ...")
     t_start = time.perf_counter()
     with prefill_child(model, bandwidth_mbps * 1e6, system[:64], model_name, timeout_s=300,
-                       server_args=server_args) as cli:
+                       server_args=server_args, port=port) as cli:
         sessions = {name: cli.session(quant_config=CODECS[c], spec_config=SpecConfig(max_draft_steps=64))
                     for name, c, delta in plan if delta}
         bar = tqdm(total=turns * len(plan), desc="turns x arms", file=sys.stderr)
@@ -135,13 +146,14 @@ def run(turns: int = 4, bandwidth_mbps: float = 15.0, new_tokens: int = 32, pref
             for name, c, delta in plan:
                 ids = conv[name] + msgs[t]
                 gen = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens}
-                if delta:
-                    r = sessions[name].generate(ids, **gen)
+                if delta:  # lynx/auto: each turn's new positions where session.Placement expects them sooner
+                    r = sessions[name].generate(ids, prefill_on="auto" if name.endswith("/auto") else "prefill",
+                                                **gen)
                 else:
                     r = cli.generate(ids, CODECS[c], keep_cache=True, spec_config=SpecConfig(max_draft_steps=64),
                                      **gen)
                 identical = None
-                if c == "lynx":
+                if c == "lynx" and r["prefilled_on"] == "prefill":  # (computed here: the KV is the model's own)
                     ref = no_draft_reference(model, r["cache"], ids, r["tokens"])
                     identical = ref == r["tokens"]
                     r["tokens"] = ref  # the conversation goes on with what the cache now holds
@@ -222,17 +234,19 @@ def _ratios(arms: dict) -> dict:
             "lynx_vs_int8_delta_tt32t": ld["tt32t_s"] / i8["tt32t_s"],
             "bytes_per_token_delta_vs_whole": (ld["wire_bytes"] / ld["new_tokens"]) /
                                               (lw["wire_bytes"] / lw["total_tokens"]),
-            "lynx_identical": all(t["identical"] for k, v in arms.items() if k.startswith("lynx/") for t in v)}
+            "lynx_identical": all(t["identical"] for k, v in arms.items() if k.startswith("lynx/") for t in v
+                                  if t["identical"] is not None)}  # (None: computed on the decode node, no drafts)
 
 
 def _table(arms: dict, say) -> None:
     say(f"\n{'arm':15s} {'turn':>4s} {'tokens':>7s} {'shipped':>7s} {'computed':>8s} {'TTFT s':>7s} {'verified':>8s} "
-        f"{'TT32T s':>8s} {'MB':>6s} {'drafted/acc':>11s} identical")
+        f"{'TT32T s':>8s} {'MB':>6s} {'drafted/acc':>11s} {'on':>7s} identical")
     for name, rows in arms.items():
         for r in rows:
             say(f"{name:15s} {r['turn']:4d} {r['total_tokens']:7d} {r['new_tokens']:7d} {r['prefill_tokens']:8d} "
                 f"{r['ttft_s']:7.2f} {r['ttft_verified_s']:8.2f} {r['tt32t_s']:8.2f} {r['wire_bytes'] / 1e6:6.2f} "
-                f"{r['drafted']:5d}/{r['accepted']:<5g} {'' if r['identical'] is None else r['identical']}")
+                f"{r['drafted']:5d}/{r['accepted']:<5g} {r['prefilled_on']:>7s} "
+                f"{'' if r['identical'] is None else r['identical']}")
     rat = _ratios(arms)
     if rat:
         say(f"last turn: Lynx delta TTFT {rat['lynx_delta_vs_whole_ttft']:.2f}x whole-history, "
@@ -246,8 +260,8 @@ def plot(arms: dict, path: Path, bandwidth_mbps: float) -> None:
     colors = {c: f"C{i}" for i, c in enumerate(CODECS)}
     for name, rows in arms.items():
         codec, how = name.split("/")
-        ax.plot([r["turn"] for r in rows], [r["ttft_s"] for r in rows], marker="o" if how == "delta" else "s",
-                color=colors[codec], ls="--" if how == "whole" else "-", label=name)
+        ax.plot([r["turn"] for r in rows], [r["ttft_s"] for r in rows], marker={"delta": "o", "auto": "^"}.get(how, "s"),
+                color="k" if how == "auto" else colors[codec], ls="--" if how == "whole" else "-", label=name)
     ax.set_xticks(sorted({r["turn"] for rows in arms.values() for r in rows}))
     ax.set_xlabel("turn")
     ax.set_ylabel("TTFT (s)")
@@ -262,7 +276,7 @@ def plot(arms: dict, path: Path, bandwidth_mbps: float) -> None:
 def register(bench) -> None:
     """`lynx-hf bench session` and its flags (`bench`: the subcommands of `lynx-hf bench`)."""
     # internal: the command line's own parts (its subcommand helper and help texts, the numeric validators)
-    from lynx_hf.cli import JSON_HELP, MODEL_HELP, subcommand
+    from lynx_hf.cli import JSON_HELP, MODEL_HELP, PORT_HELP, subcommand
     from lynx_hf.flags import count, mbps, tokens
 
     p = subcommand(bench, "session", "an agent conversation over the two-process path: each turn's new KV (delta) "
@@ -277,9 +291,10 @@ def register(bench) -> None:
     p.add_argument("--out", default=OUT, help="folder for its JSON and PNG")
     p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--json", action="store_true", help=JSON_HELP)
+    p.add_argument("--port", type=count(65535), help=PORT_HELP)
     p.set_defaults(fn=_command)
 
 
 def _command(a) -> None:
     run(turns=a.turns, bandwidth_mbps=a.bandwidth_mbps, new_tokens=a.new_tokens, prefix_cache=not a.no_prefix_cache,
-        bf16_whole=a.bf16_whole, model_name=a.model, out_dir=a.out, as_json=a.json, results=a.results)
+        bf16_whole=a.bf16_whole, model_name=a.model, out_dir=a.out, as_json=a.json, results=a.results, port=a.port)

@@ -64,7 +64,7 @@ def plot_timeline(runs: dict, path: Path, bandwidth_bps: float, prompt_tokens: i
 
 
 def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_json=False, out_dir="runs",
-        model_name=None, do_sample=False, methods=None, data_plane="tcp"):
+        model_name=None, do_sample=False, methods=None, data_plane="tcp", port=None):
     """methods: {row name: LynxQuantConfig} (default METHODS; it must hold "BF16", "INT8", "INT4 (KIVI-4)", "Lynx")."""
     say = printer(as_json, stderr=True)
     model, tok = lynx_hf.load_default_model(model_name)
@@ -72,7 +72,7 @@ def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_jso
     ids = tok(text).input_ids[:tokens]
     say(f"starting the prefill process (link emulator {bandwidth_bps / 1e6:.1f} Mbit/s, data plane {data_plane}) ...")
     runs = {}
-    with prefill_child(model, bandwidth_bps, ids[:64], model_name, data_plane=data_plane) as cli:
+    with prefill_child(model, bandwidth_bps, ids[:64], model_name, data_plane=data_plane, port=port) as cli:
         methods = methods or METHODS
         plan = [(n, c, True) for n, c in methods.items()] + [
             ("Lynx (no drafts: full-tier reference)", methods["Lynx"], False)]

@@ -131,18 +131,19 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 @contextlib.contextmanager
 def prefill_child(model, bandwidth_bps: float | None, warmup_ids: list[int], model_name: str | None = None,
-                  timeout_s: float = 120, server_args: tuple = (), data_plane: str = "tcp"):
+                  timeout_s: float = 120, server_args: tuple = (), data_plane: str = "tcp", port: int | None = None):
     """A `serve-prefill` child process behind the link emulator (`bandwidth_bps` None or 0: no emulation;
     `server_args`: more of its flags), and a DecodeClient connected to it and warmed up (one short request through
     both processes); the child is stopped on exit. data_plane "nixl": the segments move by NIXL, which this loopback
-    pair pins to loopback TCP unless $UCX_TLS / $UCX_NET_DEVICES say otherwise."""
+    pair pins to loopback TCP unless $UCX_TLS / $UCX_NET_DEVICES say otherwise. port: the child's (None: a free
+    one)."""
     from lynx_hf.transfer.decode import DecodeClient
 
     if data_plane == "nixl":
         os.environ.setdefault("UCX_TLS", "tcp")
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
         server_args = (*server_args, "--data-plane", "nixl")
-    secret, port = secrets.token_hex(16), free_port()
+    secret, port = secrets.token_hex(16), port or free_port()
     proc = start_prefill_server(port, bandwidth_bps, secret, model_name, server_args)
     try:
         cli = DecodeClient(model, "127.0.0.1", port, secret=secret, timeout_s=timeout_s, data_plane=data_plane)

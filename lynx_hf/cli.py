@@ -16,6 +16,8 @@ JSON_HELP = "print only the final JSON line"
 NIXL_EXTRA = "pip install 'lynx-hf[nixl]'"
 
 
+PORT_HELP = "the prefill process's loopback port (default: a free one)"
+
 def subcommand(sub, name: str, text: str) -> argparse.ArgumentParser:
     """A subcommand whose --help shows `text` and every option's default."""
     return sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".",
@@ -78,11 +80,11 @@ def _demo(a):
 
     plane_or_exit(a)
     demo.run(a.prompt_file, a.tokens, a.bandwidth_mbps * 1e6, a.new_tokens, a.json, a.out, a.model, a.do_sample,
-             data_plane=a.data_plane)
+             data_plane=a.data_plane, port=a.port)
 
 
 def _add_demo(sub) -> None:
-    from lynx_hf.flags import mbps, tokens
+    from lynx_hf.flags import count, mbps, tokens
 
     d = subcommand(sub, "demo", "prefill and decode processes over loopback TCP: BF16 / INT8 / INT4 / Lynx")
     d.add_argument("--prompt-file", help="any text file (default: Python standard-library source)")
@@ -96,6 +98,7 @@ def _add_demo(sub) -> None:
     d.add_argument("--data-plane", choices=["tcp", "nixl"], default="tcp",
                    help=f"the segments' bytes over the TCP channel or by NIXL ({NIXL_EXTRA}; pinned to loopback "
                         f"TCP unless $UCX_TLS / $UCX_NET_DEVICES are set)")
+    d.add_argument("--port", type=count(65535), help=PORT_HELP)
     d.set_defaults(fn=_demo)
 
 

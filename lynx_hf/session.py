@@ -56,9 +56,11 @@ class TurnResult(DictReads):
     placed_segments: int
     loader_error: str | None
     finish_reason: str = "length"  # "length" (max_new_tokens), "context" (the model's context ended), "stop"
+    prefilled_on: str = "prefill"  # where the turn's new positions were computed: "prefill" or "decode" (Placement)
 
     @classmethod
-    def of(cls, tokens, t0, cache, held, prefix_hit, loader, max_new: int, clipped: bool) -> "TurnResult":
+    def of(cls, tokens, t0, cache, held, prefix_hit, loader, max_new: int, clipped: bool,
+           prefilled_on: str = "prefill") -> "TurnResult":
         gen, ver = cache.trace.times("draft", "verified"), cache.trace.times("verified")
         error = getattr(loader, "error", None)
         reason = ("context" if clipped else "length") if len(tokens) == max_new else "stop"
@@ -66,7 +68,53 @@ class TurnResult(DictReads):
                    getattr(loader, "prefill_s", None), cache.stats.as_dict(), list(cache.trace.events),
                    list(cache.trace.timeline), cache.nbytes(), cache.nbytes("anchor"), cache.nbytes("staged"),
                    getattr(loader, "cancelled", False), getattr(loader, "dropped", 0), getattr(loader, "placed", 0),
-                   None if error is None else str(error), reason)
+                   None if error is None else str(error), reason, prefilled_on)
+
+
+PLACES = ("auto", "prefill", "decode")
+
+
+class Placement:
+    """Where a continued turn's new positions are computed — on the prefill node (their KV then crosses the link,
+    anchor first) or here on the decode node, in full precision (NVIDIA Dynamo calls this conditional
+    disaggregation). `mode` "prefill" or "decode" forces one; "auto" picks the one expected to give the first token
+    sooner, from rates measured online: the prefill node's is the last remote turn's time to its first token per
+    new position (what a short turn costs is then over-, never under-estimated: the fixed costs are spread over more
+    positions), this node's the last local turn's compute per new position (before the first: one timed forward).
+    A first turn (nothing held) always goes to the prefill node."""
+
+    def __init__(self, mode: str = "prefill"):
+        if mode not in PLACES:
+            raise ValueError(f"prefill_on must be one of {', '.join(PLACES)}, got {mode!r}")
+        self.mode = mode
+        self.remote_s_per_token: float | None = None
+        self.local_s_per_token: float | None = None
+
+    def choose(self, new_tokens: int, held: int, probe=None, mode: str | None = None) -> str:
+        """"prefill" or "decode" for a turn of `new_tokens` new positions behind `held` held ones; `probe()`
+        returns this node's seconds per position when nothing has been measured here yet; `mode` overrides this
+        placement's for one turn."""
+        mode = self.mode if mode is None else mode
+        if mode not in PLACES:
+            raise ValueError(f"prefill_on must be one of {', '.join(PLACES)}, got {mode!r}")
+        if held == 0 or mode == "prefill":
+            return "prefill"
+        if mode == "decode":
+            return "decode"
+        if self.remote_s_per_token is None:
+            return "prefill"
+        if self.local_s_per_token is None and probe is not None:
+            self.local_s_per_token = probe()
+        local = self.local_s_per_token
+        return "decode" if local is not None and local < self.remote_s_per_token else "prefill"
+
+    def observe(self, where: str, new_tokens: int, seconds: float | None) -> None:
+        if seconds is None or new_tokens < 1:
+            return
+        if where == "prefill":
+            self.remote_s_per_token = seconds / new_tokens
+        else:
+            self.local_s_per_token = seconds / new_tokens
 
 
 def check_turn(model, vocab: int, context: int, input_ids, max_new_tokens, cache) -> tuple[torch.Tensor, int]:

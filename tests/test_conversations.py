@@ -316,3 +316,40 @@ def test_serve_decode_session_with_roles_end_to_end(model_and_tok, monkeypatch, 
         cli.close()
     finally:
         srv.close()
+
+
+def test_placement_picks_the_node_expected_to_answer_sooner():
+    from lynx_hf.session import Placement
+
+    p = Placement("auto")
+    assert p.choose(50, 0) == "prefill"                                  # a first turn: nothing held here
+    assert p.choose(50, 100, probe=lambda: 1e-3) == "prefill"            # no remote rate measured yet
+    p.observe("prefill", 200, 2.0)                                       # 10 ms a position, link and queue included
+    assert p.choose(50, 100, probe=lambda: 1e-3) == "decode" and p.local_s_per_token == 1e-3
+    p.observe("decode", 50, 1.0)                                         # this node turned out slower: 20 ms
+    assert p.choose(50, 400) == "prefill"
+    assert p.choose(50, 400, mode="decode") == "decode" and Placement("decode").choose(5, 0) == "prefill"
+    with pytest.raises(ValueError, match="prefill_on must be one of auto, prefill, decode"):
+        Placement("gpu")
+
+
+def test_a_continued_turn_computed_on_the_decode_node(tiny, server):
+    """prefill_on="decode": the new positions are computed here (nothing crosses the link); "auto" goes where the
+    measured rates say; either way the tokens equal the conversation sent whole."""
+    cli = DecodeClient(tiny, *server.address, secret=SECRET, prefill_on="auto")
+    sess = cli.session(**KW)
+    conv = ids(90, 60)
+    r = sess.generate(conv)
+    assert r.prefilled_on == "prefill" and cli.placement.remote_s_per_token > 0
+    conv = conv + r.tokens + ids(20, 61)
+    r = sess.generate(conv, prefill_on="decode")
+    assert r.prefilled_on == "decode" and r.bytes == 0 and r.held_tokens > 0 and r.tokens == whole(tiny, server, conv)
+    for slow_server, where in ((10.0, "decode"), (1e-12, "prefill")):
+        cli.placement.remote_s_per_token = slow_server
+        conv = conv + r.tokens + ids(15, 62)
+        r = sess.generate(conv)
+        assert r.prefilled_on == where and r.tokens == whole(tiny, server, conv)
+    with pytest.raises(ValueError, match="prefill_on must be one of"):
+        sess.generate(conv, prefill_on="elsewhere")
+    assert not cli.broken
+    cli.close()

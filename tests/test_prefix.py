@@ -315,3 +315,14 @@ def test_three_turns_between_two_processes_with_the_prefix_cache(model_and_tok):
         assert (r["held_tokens"] > 0) == (t > 0) and (t == 0 or shipped < L / 1.5)
         assert r["bytes"] / shipped == pytest.approx(w["bytes"] / L, rel=0.03)
         assert t == 0 or r["prefix_hit"] >= BLOCK
+
+
+def test_bench_session_arms_never_share_a_prefix_block(model_and_tok):
+    """Each arm of `bench session` is its own conversation from its first block (before, all arms shared one prefix
+    cache over one conversation, so every arm after the first computed ~200 tokens a turn instead of ~700); the tool
+    outputs are the same in every arm."""
+    from lynx_hf.eval.bench_session import conversation
+
+    _, tok = model_and_tok
+    a, b = (conversation(tok, 2, 0, tag=f"Session {n}. ") for n in ("lynx/delta", "int4/delta"))
+    assert a[0][:BLOCK] != b[0][:BLOCK] and a[1] == b[1] and len(a[0]) > BLOCK

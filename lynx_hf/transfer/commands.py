@@ -153,7 +153,8 @@ def _serve_decode(a):
     model, tok = lynx_hf.load_default_model(a.model)
     fp = fingerprint(model)  # once per process, before any connection (a reconnect needs no second pass)
     connect = lambda: DecodeClient(model, host, port, secret=secret, insecure=a.insecure, tls=a.tls, tls_ca=a.tls_ca,
-                                   timeout_s=a.timeout, model_fingerprint=fp, data_plane=a.data_plane)
+                                   timeout_s=a.timeout, model_fingerprint=fp, data_plane=a.data_plane,
+                                   prefill_on=a.prefill_on)
     cli = sess = None
     cfg = LynxQuantConfig.from_pretrained(a.lynx_config) if a.lynx_config else LynxQuantConfig(method=a.method)
     failed = False
@@ -193,7 +194,8 @@ def _serve_decode(a):
         print(json.dumps({"text": text, "tokens": r["tokens"],
                           "bytes": r["bytes"], "held_tokens": r["held_tokens"],
                           **{k: r[k] for k in ("ttft_s", "ttft_verified_s", "tt32t_s")},
-                          "drafted": r["stats"]["drafted"], "accepted": r["stats"]["accepted"]}), flush=True)
+                          "drafted": r["stats"]["drafted"], "accepted": r["stats"]["accepted"],
+                          "finish_reason": r["finish_reason"], "prefilled_on": r["prefilled_on"]}), flush=True)
     if cli is not None:
         cli.close()
     if failed:
@@ -291,6 +293,10 @@ def register(sub) -> None:
                         "template renders the whole conversation; the decode side keeps its KV, so only each turn's "
                         "new tokens cross the link")
     q.add_argument("--max-new-tokens", type=tokens(), default=32, help="tokens to generate per prompt")
+    q.add_argument("--prefill-on", choices=["prefill", "decode", "auto"], default="prefill",
+                   help="--session: where a turn's new tokens are computed — the prefill server, this process (in "
+                        "full precision: nothing crosses the link), or auto (whichever the rates measured on this "
+                        "connection say answers sooner); each line's JSON says where (prefilled_on)")
     q.add_argument("--timeout", type=seconds(), default=30.0,
                    help="seconds of silence from the server before a request fails (a queued request hears "
                         "PROGRESS frames meanwhile)")

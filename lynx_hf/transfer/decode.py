@@ -22,7 +22,8 @@ from ..engine.warm import warm_up
 from ..errors import ConfigError
 from ..flags import MAX_TIMEOUT_S, seconds
 from ..loader import Loader
-from ..session import Session, TurnResult, check_turn
+from ..local import extend_here
+from ..session import PLACES, Placement, Session, TurnResult, check_turn
 from .prefix_cache import token_digest
 from . import nixl
 from .serde import check_residual, stream_bound, to_split, unpack_logits, unpack_segment, warm
@@ -151,18 +152,22 @@ class DecodeClient:
 
     def __init__(self, model, host: str | None = None, port: int | None = None, secret: str | None = None,
                  timeout_s: float = 30.0, insecure: bool = False, tls: bool = False, tls_ca: str | None = None,
-                 transport=None, model_fingerprint: str | None = None, data_plane: str = "tcp"):
+                 transport=None, model_fingerprint: str | None = None, data_plane: str = "tcp",
+                 prefill_on: str = "prefill"):
         """tls / tls_ca: speak TLS, trusting the system's CAs or the PEM file `tls_ca` (a private CA or a
         self-signed server certificate); the server's certificate must name `host`. transport: an open Transport
         instead of host/port (e.g. a DistTransport to the prefill rank, whose side runs `server_handshake` and
         `serve_channel`). model_fingerprint: `arch.fingerprint(model)` if the caller has it (a process that
         reconnects computes it once). data_plane: "tcp" (the channel carries the segments) or "nixl" (NIXL writes
         them into this process's memory: `pip install 'lynx-hf[nixl]'`, a server started with --data-plane nixl).
-        Everything this side must compute happens before it connects, so that the server's handshake deadline
+        prefill_on: where a continued turn's new positions are computed — "prefill" (the prefill server), "decode"
+        (here, in full precision: nothing crosses the link) or "auto" (`session.Placement`: the faster by rates
+        measured on this connection); a turn may override it. Everything this side must compute happens before it connects, so that the server's handshake deadline
         measures the network and the peer only."""
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not seconds().ok(timeout_s):
             raise ConfigError(f"timeout_s must be a finite number of seconds in (0, {MAX_TIMEOUT_S:g}], got {timeout_s!r}")
         self.model, self.timeout = model, timeout_s
+        self.placement = Placement(prefill_on)
         self.context = max_prompt_tokens(model)
         nixl.check_plane(data_plane)
         self.data_plane = data_plane
@@ -209,7 +214,7 @@ class DecodeClient:
 
     def generate(self, input_ids: list[int], quant_config: LynxQuantConfig | None = None, max_new_tokens: int = 32,
                  speculative: bool = True, spec_config: SpecConfig | None = None, cache: LynxCache | None = None,
-                 keep_cache: bool = False, **gen_kwargs) -> TurnResult:
+                 keep_cache: bool = False, prefill_on: str | None = None, **gen_kwargs) -> TurnResult:
         """Send the prompt, receive its KV and logits, and generate up to `max_new_tokens` tokens (the first
         included; fewer where the model's context ends: `finish_reason` "context") with any generation options
         (`gen_kwargs`, greedy by default). `cache`: the LynxCache of this conversation's previous turn
@@ -222,22 +227,27 @@ class DecodeClient:
         usable; only a failed transport (peer gone, a bad frame, a timeout) breaks it (`broken`). Threads may share
         a client: its requests take turns on the connection."""
         ids, max_new = check_turn(self.model, self.geometry["vocab"], self.context, input_ids, max_new_tokens, cache)
+        if prefill_on is not None and prefill_on not in PLACES:
+            raise ValueError(f"prefill_on must be one of {', '.join(PLACES)}, got {prefill_on!r}")
         with self._lock:
             if self._broken is not None:
                 raise ConnectionError(f"this connection failed earlier ({self._broken}); open a new DecodeClient "
                                       f"and go on with Session.reconnect(client)")
             return self._turn(ids, max_new, max_new < max_new_tokens, quant_config, speculative, spec_config, cache,
-                              keep_cache or cache is not None, gen_kwargs)
+                              keep_cache or cache is not None, prefill_on, gen_kwargs)
 
-    def _turn(self, ids, max_new, clipped, quant_config, speculative, spec_config, cache, keep, gen_kwargs):
+    def _turn(self, ids, max_new, clipped, quant_config, speculative, spec_config, cache, keep, prefill_on,
+              gen_kwargs):
         from ..engine import speculative_generate
 
         cfg = cache.quant_config if cache is not None and quant_config is None else quant_config or LynxQuantConfig()
         if cache is not None:  # the turn runs on a branch: whatever fails, `cache` stays as it was
             cache = cache.fork()
         held = cache.conversation.continue_turn(ids) if cache is not None else 0  # waits for the last turn's residual
-        t0, p, rid, arena = self._request(ids, cfg, held)
         spec = spec_config or SpecConfig(max_draft_steps=64 if speculative else 0)
+        if self.placement.choose(ids.shape[1] - held, held, lambda: self._probe(ids), prefill_on) == "decode":
+            return self._turn_here(ids, max_new, clipped, spec, cache, held, gen_kwargs)
+        t0, p, rid, arena = self._request(ids, cfg, held)
         if p["start"] == held and cache is not None:  # the new range, behind what the cache holds
             cache.quant_config = cfg
             cache.conversation.begin_range(ids)
@@ -260,8 +270,34 @@ class DecodeClient:
                 self._broken = e  # interrupted, or the stream did not end cleanly: the connection's state is unknown
             raise
         self._settle(cache, loader, cancel=not keep)  # without keep, an early stop cancels the frames still queued
+        ttft = cache.trace.times("draft", "verified")
+        self.placement.observe("prefill", ids.shape[1] - p["start"], ttft[0] if ttft else None)
         return TurnResult.of(out[0, ids.shape[1]:].tolist(), t0, cache, held, p.get("prefix_hit"), loader, max_new,
                              clipped)
+
+    def _turn_here(self, ids, max_new, clipped, spec, cache, held, gen_kwargs) -> TurnResult:
+        """A continued turn whose new positions [held, L) are computed here, in full precision: nothing crosses
+        the link, and nothing is left to verify (the KV is the model's own)."""
+        from ..engine import speculative_generate
+
+        t0 = time.perf_counter()
+        extend_here(self.model, cache, ids, held)
+        self.placement.observe("decode", ids.shape[1] - held, time.perf_counter() - t0)
+        cache.trace.t0 = t0
+        cache.trace.stats.held_tokens = held
+        if "streamer" in gen_kwargs and "lynx_streamer" not in gen_kwargs:
+            gen_kwargs["lynx_streamer"] = gen_kwargs.pop("streamer")
+        out = self.model.generate(ids, cache=cache, custom_generate=speculative_generate, spec_config=spec,
+                                  max_new_tokens=max_new, **{"do_sample": False, **gen_kwargs})
+        return TurnResult.of(out[0, ids.shape[1]:].tolist(), t0, cache, held, None, None, max_new, clipped, "decode")
+
+    @torch.no_grad()
+    def _probe(self, ids: torch.Tensor) -> float:
+        """This node's prefill seconds per position: one timed forward of up to 64 of the turn's ids."""
+        k = min(64, ids.shape[1])
+        t = time.perf_counter()
+        self.model(input_ids=ids[:, :k], use_cache=False, logits_to_keep=1)
+        return (time.perf_counter() - t) / k
 
     def _request(self, ids: torch.Tensor, cfg: LynxQuantConfig, held: int):
         """Send the REQUEST and read its PROMPT: (t0, prompt, request id, NIXL arena or None). The server's refusal
