@@ -228,7 +228,6 @@ def turn_messages(line: str, tools):
 
 
 def register(sub) -> None:
-    from ..config import METHODS
     from ..flags import (MAX_CONCURRENT_PREFILLS, MAX_INFLIGHT_MB, PREFIX_CACHE_MB, count, mbps, megabytes, number,
                          seconds, tokens)
 
@@ -274,6 +273,12 @@ def register(sub) -> None:
     p.add_argument("--tls-key", help="PEM private key for --tls-cert (if not inside it)")
     p.add_argument("--model", help=MODEL_HELP)
     p.set_defaults(fn=_serve_prefill)
+    _register_decode(sub)
+
+
+def _register_decode(sub) -> None:
+    from ..config import METHODS
+    from ..flags import seconds, tokens
 
     q = sub.add_parser("serve-decode", help="the decode process: sends prompts, drafts, verifies, prints JSON lines",
                        formatter_class=HelpFormatter,
