@@ -90,7 +90,7 @@ def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_jso
         say(f"{n:40s} {r['ttft_s']:7.2f} {r['ttft_verified_s']:9.2f} {r['tt32t_s']:8.2f} {r['bytes'] / 1e6:7.2f} "
             f"{r['drafted']:>8d}/{r['accepted']:<8g}")
     say(f"TTFT Lynx/INT4 {rows['Lynx']['ttft_s'] / rows['INT4 (KIVI-4)']['ttft_s']:.2f}, "
-        f"Lynx/INT8 {rows['Lynx']['ttft_s'] / rows['INT8']['ttft_s']:.2f}; Lynx identical to full tier: {same}; "
+        f"Lynx/INT8 {rows['Lynx']['ttft_s'] / rows['INT8']['ttft_s']:.2f}; Lynx identical to 8-bit full-tier decoding: {same}; "
         f"verify pass started {rows['Lynx']['verify_overlap_s'] or 0:.2f} s before the last residual segment landed")
     say("Lynx generated:", repr(tok.decode(runs["Lynx"]["tokens"])))
     link_s = rows["BF16"]["bytes"] * 8 / bandwidth_bps  # BF16's KV on the link alone

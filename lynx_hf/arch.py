@@ -55,13 +55,15 @@ def max_prompt_tokens(model) -> int:
 
 
 def context_budget(context: int, prompt_len: int, max_new_tokens: int) -> int:
-    """The tokens a generation of a `prompt_len`-token prompt may produce: at most `max_new_tokens`, and every
-    position the model runs inside its `context` — a sequence of prompt_len + n tokens runs its first
-    prompt_len + n - 1 positions, so n <= context - prompt_len + 1 (a prompt of the whole context gets its one next
-    token). One rule for the decode client, the prefill server (which refuses prompt_len > context) and sessions."""
+    """The tokens a generation of a `prompt_len`-token prompt may produce: at most `max_new_tokens`, and the whole
+    sequence inside the model's `context` (prompt_len + n <= context: a verification pass may run the last token's
+    position), except that a prompt of the whole context still gets its one next token (its logits need no
+    position past the prompt). One rule for the decode client, the prefill server (which refuses prompt_len >
+    context) and sessions in this process (`session.LocalLink`); `speculative_generate` itself equals plain
+    `generate`, which runs on past max_position_embeddings (RoPE scaling may extend a model's range)."""
     if prompt_len > context:
         raise ValueError(f"a prompt of {prompt_len} tokens exceeds this model's context of {context} tokens")
-    return min(max_new_tokens, context - prompt_len + 1)
+    return min(max_new_tokens, max(1, context - prompt_len))
 
 
 def kv_geometry(model) -> dict:

@@ -98,14 +98,15 @@ def test_threads_share_one_client(tiny, server):
 
 
 def test_the_context_is_one_rule_and_generation_stops_where_it_ends(tiny, server):
-    assert context_budget(100, 90, 32) == 11 and context_budget(100, 100, 5) == 1 and context_budget(100, 10, 5) == 5
+    assert context_budget(100, 90, 32) == 10 and context_budget(100, 100, 5) == 1 and context_budget(100, 10, 5) == 5
+    assert context_budget(100, 99, 5) == 1
     with pytest.raises(ValueError, match="101 tokens exceeds this model's context of 100"):
         context_budget(100, 101, 1)
     cli = DecodeClient(tiny, *server.address, secret=SECRET)
     limit = cli.context
     kw = {**KW, "max_new_tokens": 16}
     r = cli.generate(ids(limit - 4, 7), eos_token_id=None, **{k: v for k, v in kw.items()})
-    assert len(r.tokens) == 5 and r.finish_reason == "context"  # positions run: limit - 4 + 5 - 1 = limit
+    assert len(r.tokens) == 4 and r.finish_reason == "context"  # the sequence fills the context
     r = cli.generate(ids(limit, 8), eos_token_id=None, **kw)
     assert len(r.tokens) == 1 and r.finish_reason == "context"
     r = cli.generate(ids(20, 9), eos_token_id=None, **kw)
@@ -261,7 +262,7 @@ def test_one_session_in_process_and_over_the_network(tiny, server, where):
     assert branch.held_ids != sess.held_ids and len(sess.turn_ends) == 2
     long_turn = sess.held_ids + ids(tiny.config.max_position_embeddings - len(sess.held_ids) - 2, 50)
     r = sess.generate(long_turn, max_new_tokens=8, eos_token_id=None)
-    assert len(r.tokens) == 3 and r.finish_reason == "context"
+    assert len(r.tokens) == 2 and r.finish_reason == "context"
     assert branch.generate(conv).tokens == whole(tiny, server, conv)
     if where == "network":
         link.close()
@@ -353,3 +354,24 @@ def test_a_continued_turn_computed_on_the_decode_node(tiny, server):
         sess.generate(conv, prefill_on="elsewhere")
     assert not cli.broken
     cli.close()
+
+
+def test_in_process_links_stop_where_the_context_ends():
+    """A Session in this process follows the network's rule (a 64-position context: a 60-token prompt gets 4 tokens,
+    the first 4 of what plain generate gives past the context). `speculative_generate` itself equals plain
+    `generate`, which runs on past the context (RoPE scaling may extend it; tests/test_exactness.py)."""
+    import sys
+    from pathlib import Path
+
+    import lynx_hf
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from conftest import make_tiny
+
+    small = make_tiny(max_position_embeddings=64)
+    prompt = ids(60, 70)
+    r = lynx_hf.Session(small, quant_config=Q(method="identity")).generate(prompt, max_new_tokens=20, eos_token_id=None)
+    plain = small.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None)
+    assert r.tokens == plain[0, 60:64].tolist() and r.finish_reason == "context"
+    with pytest.raises(ValueError, match="65 tokens exceeds this model's context of 64"):
+        lynx_hf.Session(small).generate(ids(65, 71))
