@@ -29,8 +29,8 @@ TOKENS = 96              # long enough for a page, a chunk and a partial block
 @dataclasses.dataclass(frozen=True)
 class Launch:
     """One kernel specialization as its launch wrapper passes it."""
-    module: str                    # the kernel's module, e.g. "lynx_hf.kernels.decode"
-    kernel: str                    # its name there, e.g. "_decode_kernel"
+    module: str                    # the kernel's module, e.g. "lynx_hf.kernels.dequantize"
+    kernel: str                    # its name there, e.g. "_dequantize_kernel"
     signature: tuple               # ((arg name, Triton type: "*fp16", "i32", "constexpr"), ...)
     constexprs: tuple              # ((name, value), ...)
     bytes_per_value: float         # bytes this launch reads + writes per K or V value (what the roofline uses)
@@ -81,7 +81,7 @@ def launches() -> list[Launch]:
     # internal: the axes a config may name, the Triton kernels themselves, and the dispatch that picks them (driven
     # here through its CUDA branch on CPU tensors)
     from lynx_hf.config import AXES
-    from lynx_hf.kernels import decode as kdec, encode as kenc
+    from lynx_hf.kernels import dequantize as kdec, encode as kenc
     from lynx_hf.quant import dispatch
 
     calls: list = []

@@ -2,15 +2,15 @@
 
 Each op has the signature and the results of its pure-torch twin in `lynx_hf.quant.lynx` (`lynx.Kernels`):
   encode.py  encode_codes_triton  ≡ lynx.encode_codes   (GPU: normalise, compand, split, pack)
-  decode.py  decode_codes_triton  ≡ lynx.decode_codes   (GPU: unpack, look up, de-normalise; anchor or full tier)
-  cpu.py     minmax_cpu, range_stats_cpu, encode_codes_cpu, decode_codes_cpu   (CPU, C through ctypes: codec_cpu.c)
+  dequantize.py  dequantize_codes_triton  ≡ lynx.dequantize_codes   (GPU: unpack, look up, de-normalise; anchor or full tier)
+  cpu.py     minmax_cpu, range_stats_cpu, encode_codes_cpu, dequantize_codes_cpu   (CPU, C through ctypes: codec_cpu.c)
 Tolerances (asserted in tests/test_kernels.py): codes and packed bytes equal exactly everywhere; the C kernels'
 statistics and decoded values equal exactly too (same fp32 operations, no contraction); the Triton kernels' decoded
 floats within 1e-6 relative + 1e-7 absolute of the twin (one rounding of an fp32 multiply-add). Triton kernels
 upcast to fp32 inside, so bf16 / fp16 inputs run under TRITON_INTERPRET=1 too. Triton is imported only when a
 Triton op is asked for."""
 
-__all__ = ["encode_codes_triton", "decode_codes_triton"]
+__all__ = ["encode_codes_triton", "dequantize_codes_triton"]
 
 
 def __getattr__(name):
@@ -18,8 +18,8 @@ def __getattr__(name):
         from .encode import encode_codes_triton
 
         return encode_codes_triton
-    if name == "decode_codes_triton":
-        from .decode import decode_codes_triton
+    if name == "dequantize_codes_triton":
+        from .dequantize import dequantize_codes_triton
 
-        return decode_codes_triton
+        return dequantize_codes_triton
     raise AttributeError(name)

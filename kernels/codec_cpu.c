@@ -428,7 +428,7 @@ void lynx_encode_rows(const lynx_encode_args *args, int64_t r0, int64_t r1) {
     }
 }
 
-/* decode_codes twin for rows [r0, r1): x̂ = γ_min + γ_scale·(μ + σ·LUT[code]), code = anchor nibble (residual
+/* dequantize_codes twin for rows [r0, r1): x̂ = γ_min + γ_scale·(μ + σ·LUT[code]), code = anchor nibble (residual
  * NULL, 16-entry lut) or 16·anchor + residual (256-entry lut); out in out_dtype, row (bh, s) at element
  * bh·out_bh_stride + s·D (a slice of a longer buffer along S, or contiguous with out_bh_stride = S·D). */
 void lynx_decode_rows(const lynx_decode_args *args, int64_t r0, int64_t r1) {

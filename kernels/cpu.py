@@ -6,7 +6,7 @@ operations in the same order, -ffp-contract=off; asserted with tolerance 0 in te
   minmax_cpu        ≡ lynx.minmax         (one pass: per-chunk-channel and per-token min / max, NaN propagates)
   range_stats_cpu   ≡ lynx.range_stats    (fp16 mid-range μ and outward-rounded half-range σ)
   encode_codes_cpu  ≡ lynx.encode_codes   (normalise, code, split, pack)
-  decode_codes_cpu  ≡ lynx.decode_codes   (unpack, look up, de-normalise; anchor or full tier)
+  dequantize_codes_cpu  ≡ lynx.dequantize_codes   (unpack, look up, de-normalise; anchor or full tier)
 
 Build: `cc -O3 -march=native -ffp-contract=off` (CC overrides the compiler) into $LYNX_CACHE/kernels, else
 $XDG_CACHE_HOME/lynx-hf/kernels or ~/.cache/lynx-hf/kernels, keyed by a hash of the source, the flags and the CPU's model and features; `available()` says whether it built,
@@ -332,21 +332,21 @@ def encode_codes_cpu(x, gmin, gscale, mu, rho, thr, *, axis: str, page: int, chu
     return anchor, residual
 
 
-def decode_codes_cpu(anchor, residual, gmin, gscale, mu, rho, lut, *, axis: str, page: int, chunk: int,
+def dequantize_codes_cpu(anchor, residual, gmin, gscale, mu, rho, lut, *, axis: str, page: int, chunk: int,
                      out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as lynx_hf.quant.lynx.decode_codes; a given `out` whose rows are contiguous (a slice of a
+    """Same contract as lynx_hf.quant.lynx.dequantize_codes; a given `out` whose rows are contiguous (a slice of a
     cache's [B, H, T, D] buffer along T, say) is written in place, any other through a copy."""
     B, H, S, HD = anchor.shape
     D = 2 * HD
     if out_dtype not in DTYPE_CODE or D > MAX_D:
-        raise ValueError(f"decode_codes_cpu: unsupported out_dtype {out_dtype} or head_dim {D}")
+        raise ValueError(f"dequantize_codes_cpu: unsupported out_dtype {out_dtype} or head_dim {D}")
     if out is not None:
         from .contract import check_out
 
         check_out(out, anchor, out_dtype)
         st = out.stride()
         if not (st[3] == 1 and st[2] == D and (B == 1 or st[0] == H * st[1])):
-            return out.copy_(decode_codes_cpu(anchor, residual, gmin, gscale, mu, rho, lut, axis=axis, page=page,
+            return out.copy_(dequantize_codes_cpu(anchor, residual, gmin, gscale, mu, rho, lut, axis=axis, page=page,
                                               chunk=chunk, out_dtype=out_dtype))
         dst, bh_stride = out, st[1]
     else:

@@ -20,7 +20,7 @@ def test_the_launches_cover_every_option_the_dispatch_has(launches):
     """What the dispatch can launch, seen from the launches: both kernels, page on/off, both axes, sign-magnitude
     on/off, anchor-only and full, every input and output dtype, every head dimension's block."""
     enc = [dict(l.signature) | dict(l.constexprs) for l in launches if l.kernel == "_encode_kernel"]
-    dec = [dict(l.signature) | dict(l.constexprs) for l in launches if l.kernel == "_decode_kernel"]
+    dec = [dict(l.signature) | dict(l.constexprs) for l in launches if l.kernel == "_dequantize_kernel"]
     assert enc and dec
     assert {(e["HAS_PAGE"], e["SIGN_MAG"], e["TOKEN_AXIS"]) for e in enc} == \
         {(p, p, t) for p in (False, True) for t in (False, True)}  # the page stage and sign-magnitude: "paper"
@@ -43,17 +43,17 @@ def test_every_launch_compiles_for_ampere_and_hopper_without_spills(launches):
 
 
 def test_a_kernel_that_stops_compiling_fails_the_check(launches, tmp_path):
-    """The test of the test: a copy of the decode kernel with one edit the GPU compiler refuses (a block of
+    """The test of the test: a copy of the dequantize kernel with one edit the GPU compiler refuses (a block of
     HALF_D + 1 lanes: not a power of two) fails for both targets, where the real one compiles."""
     import dataclasses
 
-    from lynx_hf.kernels import decode
+    from lynx_hf.kernels import dequantize
 
-    src = open(decode.__file__).read()
+    src = open(dequantize.__file__).read()
     assert src.count("tl.arange(0, HALF_D)") == 1
-    broken = tmp_path / "broken_decode.py"
+    broken = tmp_path / "broken_dequantize.py"
     broken.write_text(src.replace("tl.arange(0, HALF_D)", "tl.arange(0, HALF_D + 1)"))
-    launch = next(l for l in launches if l.kernel == "_decode_kernel")
+    launch = next(l for l in launches if l.kernel == "_dequantize_kernel")
     good = bk.compile_all([launch], workers=1)
     bad = bk.compile_all([dataclasses.replace(launch, module=str(broken))], workers=1)
     assert all("error" not in r and r["spill_bytes"] == 0 for r in good)

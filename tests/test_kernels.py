@@ -34,9 +34,9 @@ def sample(S, dtype, seed=0):
 @pytest.mark.parametrize("S", [1, 77])
 def test_triton_matches_reference(cfg, dtype, S):
     pytest.importorskip("triton")
-    from lynx_hf.kernels import decode_codes_triton, encode_codes_triton
+    from lynx_hf.kernels import dequantize_codes_triton, encode_codes_triton
 
-    k = dataclasses.replace(L.REFERENCE, encode_codes=encode_codes_triton, decode_codes=decode_codes_triton)
+    k = dataclasses.replace(L.REFERENCE, encode_codes=encode_codes_triton, dequantize_codes=dequantize_codes_triton)
     x = sample(S, dtype)
     ref = L.encode(x, cfg, "key")
     tri = L.encode(x, cfg, "key", k)
@@ -72,7 +72,7 @@ def c_kernels(request):
         cpu._state["lib"] = cpu._build(["-mno-avx512f"])
     else:
         cpu._state["lib"] = saved
-    yield L.Kernels(cpu.minmax_cpu, cpu.range_stats_cpu, cpu.encode_codes_cpu, cpu.decode_codes_cpu)
+    yield L.Kernels(cpu.minmax_cpu, cpu.range_stats_cpu, cpu.encode_codes_cpu, cpu.dequantize_codes_cpu)
     cpu._state["lib"] = saved
 
 
@@ -159,15 +159,15 @@ def test_compiled_path_survives_bad_input_and_falls_back_on_a_broken_compiler(mo
         raise RuntimeError("inductor fell over")
 
     monkeypatch.setattr(dispatch, "_compile_broken", set())
-    monkeypatch.setitem(dispatch._compiled, "decode_codes", broken)
-    monkeypatch.setattr(L, "decode_codes", lambda *a, **k: (_ for _ in ()).throw(ValueError("bad codes")))
+    monkeypatch.setitem(dispatch._compiled, "dequantize_codes", broken)
+    monkeypatch.setattr(L, "dequantize_codes", lambda *a, **k: (_ for _ in ()).throw(ValueError("bad codes")))
     with pytest.raises(ValueError, match="bad codes"):
-        dispatch.COMPILED.decode_codes(1)
-    assert "decode_codes" not in dispatch._compile_broken
-    monkeypatch.setattr(L, "decode_codes", lambda *a, **k: "eager result")
-    with pytest.warns(UserWarning, match="decode_codes failed"):
-        assert dispatch.COMPILED.decode_codes(1) == "eager result"
-    assert dispatch._compile_broken == {"decode_codes"} and dispatch.COMPILED.decode_codes(1) == "eager result"
+        dispatch.COMPILED.dequantize_codes(1)
+    assert "dequantize_codes" not in dispatch._compile_broken
+    monkeypatch.setattr(L, "dequantize_codes", lambda *a, **k: "eager result")
+    with pytest.warns(UserWarning, match="dequantize_codes failed"):
+        assert dispatch.COMPILED.dequantize_codes(1) == "eager result"
+    assert dispatch._compile_broken == {"dequantize_codes"} and dispatch.COMPILED.dequantize_codes(1) == "eager result"
     assert len(calls) == 2  # the broken compiled op is not tried again
 
 

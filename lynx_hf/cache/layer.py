@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..arch import window_positions as held_positions  # (the window's kept positions: arch.window_positions)
+from ..arch import window_positions  # a sliding window's kept positions
 from ..quant import dequantize
 from .store import KINDS, PromptStore
 
@@ -28,7 +28,7 @@ class LynxLayer(CacheLayerMixin):
         super().__init__()
         self.prompt_len, self.sliding_window = prompt_len, sliding_window
         self.is_sliding = sliding_window is not None
-        self.held = held_positions(prompt_len, sliding_window)
+        self.held = window_positions(prompt_len, sliding_window)
         self.offset = prompt_len - self.held  # absolute position of keys[..., 0, :]
         self.store = PromptStore(prompt_len, self.offset, torch.device(device))
         self.tier = None
@@ -55,7 +55,7 @@ class LynxLayer(CacheLayerMixin):
         base = self.end
         if not self.sealed or prompt_len <= base:
             raise RuntimeError(f"begin_range({prompt_len}) needs a sealed layer ending before it (ends at {base})")
-        first = max(self.offset, prompt_len - held_positions(prompt_len, self.sliding_window))
+        first = max(self.offset, prompt_len - window_positions(prompt_len, self.sliding_window))
         keep = max(0, base - first)
         self.prefix = (self.keys[..., self.keys.shape[-2] - keep:, :], self.values[..., self.values.shape[-2] - keep:, :])
         self.keys = self.values = None
@@ -75,7 +75,7 @@ class LynxLayer(CacheLayerMixin):
         positions it needs at `length` (they were dropped)."""
         if not self.sealed:
             raise RuntimeError("crop_to needs a sealed layer")
-        need = length - held_positions(length, self.sliding_window)
+        need = length - window_positions(length, self.sliding_window)
         if need < self.offset:
             raise ValueError(f"cannot go back to {length} tokens: this sliding-window layer no longer holds positions "
                              f"[{need}, {self.offset}) (build a new LynxCache from the prefill)")

@@ -1,6 +1,6 @@
 """Which implementation of the codec's four hot ops (`lynx.Kernels`) runs where.
 
-CUDA: the Triton kernels for encode_codes / decode_codes (the range passes stay torch, on the GPU).
+CUDA: the Triton kernels for encode_codes / dequantize_codes (the range passes stay torch, on the GPU).
 CPU, by path (`use(path)`, or LYNX_CPU_CODEC=path in the environment):
   "auto"      the C kernels (kernels/codec_cpu.c, built once per machine), else torch.compile for tensors of at
               least COMPILE_MIN_NUMEL elements, else eager torch (the default);
@@ -50,7 +50,7 @@ def _c_kernels() -> lynx.Kernels | None:
         _state["c_broken"] = True
         warnings.warn(f"the Lynx C kernels are unavailable ({why}); using torch on the CPU")
         return None
-    return lynx.Kernels(cpu.minmax_cpu, cpu.range_stats_cpu, cpu.encode_codes_cpu, cpu.decode_codes_cpu)
+    return lynx.Kernels(cpu.minmax_cpu, cpu.range_stats_cpu, cpu.encode_codes_cpu, cpu.dequantize_codes_cpu)
 
 
 def _guarded(name: str):
@@ -75,7 +75,7 @@ def _guarded(name: str):
     return op
 
 
-COMPILED = lynx.Kernels(encode_codes=_guarded("encode_codes"), decode_codes=_guarded("decode_codes"))
+COMPILED = lynx.Kernels(encode_codes=_guarded("encode_codes"), dequantize_codes=_guarded("dequantize_codes"))
 
 
 def prepare(device) -> str:
@@ -92,10 +92,10 @@ def kernels(device: torch.device, numel: int = 0, path: str | None = None) -> ly
     """The four ops for a tensor of `numel` elements on `device` (CPU: by `path`, default the selected one)."""
     if device.type == "cuda":
         try:
-            from lynx_hf.kernels import decode_codes_triton, encode_codes_triton
+            from lynx_hf.kernels import dequantize_codes_triton, encode_codes_triton
         except ImportError:  # no Triton here, or the Hub folder (no kernels): the torch twin on the GPU
             return lynx.REFERENCE
-        return dataclasses.replace(lynx.REFERENCE, encode_codes=encode_codes_triton, decode_codes=decode_codes_triton)
+        return dataclasses.replace(lynx.REFERENCE, encode_codes=encode_codes_triton, dequantize_codes=dequantize_codes_triton)
     path = path or _state["path"]
     if path in ("auto", "c"):
         k = _c_kernels()

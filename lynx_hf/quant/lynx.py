@@ -188,19 +188,19 @@ def encode_codes(x, gmin, gscale, mu, rho, thr, *, axis: str, page: int, chunk: 
     return pack4(a), pack4(r)
 
 
-def decode_codes(anchor, residual, gmin, gscale, mu, rho, lut, *, axis: str, page: int, chunk: int,
+def dequantize_codes(anchor, residual, gmin, gscale, mu, rho, lut, *, axis: str, page: int, chunk: int,
                  out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """Unpack, look up and de-normalise. residual None → anchor tier (lut is the 16-entry anchor table),
     else full tier (lut is the 256-entry table). Returns [B, H, S, D] in out_dtype, written into `out` when given
     (a tensor of that shape and dtype, any strides: e.g. a slice of a cache's KV buffer). Blocks of heads, as encode."""
     if out is not None:
         check_out(out, anchor, out_dtype)
-        return out.copy_(decode_codes(anchor, residual, gmin, gscale, mu, rho, lut, axis=axis, page=page,
+        return out.copy_(dequantize_codes(anchor, residual, gmin, gscale, mu, rho, lut, axis=axis, page=page,
                                       chunk=chunk, out_dtype=out_dtype))
     B, H, S, HD = anchor.shape
     blocks = _head_blocks(H, B * S * HD * 2)
     if blocks:
-        return torch.cat([decode_codes(anchor[:, h], _sl(residual, h), _sl(gmin, h), _sl(gscale, h), _sl(mu, h),
+        return torch.cat([dequantize_codes(anchor[:, h], _sl(residual, h), _sl(gmin, h), _sl(gscale, h), _sl(mu, h),
                                        _sl(rho, h), lut, axis=axis, page=page, chunk=chunk, out_dtype=out_dtype)
                           for h in blocks], 1)
     a = unpack4(anchor)
@@ -239,7 +239,7 @@ class Kernels:
     minmax: Callable = minmax
     range_stats: Callable = range_stats
     encode_codes: Callable = encode_codes
-    decode_codes: Callable = decode_codes
+    dequantize_codes: Callable = dequantize_codes
 
 
 REFERENCE = Kernels()
@@ -279,12 +279,12 @@ def encode(x: torch.Tensor, config: LynxQuantConfig, kind: str, kernels: Kernels
 
 def dequantize(split: SplitKV, tier: str, kernels: Kernels = REFERENCE,
                out: torch.Tensor | None = None) -> torch.Tensor:
-    """Lynx / paper reconstruction of `split` at `tier` over `kernels` (`decode_codes`: unpack, look up,
+    """Lynx / paper reconstruction of `split` at `tier` over `kernels` (`dequantize_codes`: unpack, look up,
     de-normalise), into `out` when given."""
     cfg = split.config
     _, full, anc = tables(cfg.method, float(cfg.alpha), cfg.anchor)
     m = split.meta
     res, lut = (split.residual, full) if tier == "full" else (None, anc)
-    return kernels.decode_codes(split.anchor, res, m.get("gamma_min"), m.get("gamma_scale"), m["mu"], m["sigma"],
+    return kernels.dequantize_codes(split.anchor, res, m.get("gamma_min"), m.get("gamma_scale"), m["mu"], m["sigma"],
                                 lut, axis=split.axis, page=cfg.page_size, chunk=cfg.chunk_size, out_dtype=split.dtype,
                                 out=out)

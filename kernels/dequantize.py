@@ -1,4 +1,4 @@
-"""decode_codes_triton: packed anchor (+ residual) nibbles → x̂, one program per (b·h, block of tokens)."""
+"""dequantize_codes_triton: packed anchor (+ residual) nibbles → x̂, one program per (b·h, block of tokens)."""
 from __future__ import annotations
 
 import torch
@@ -7,7 +7,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _decode_kernel(a_ptr, r_ptr, gmin_ptr, gscale_ptr, mu_ptr, rho_ptr, lut_ptr, out_ptr,
+def _dequantize_kernel(a_ptr, r_ptr, gmin_ptr, gscale_ptr, mu_ptr, rho_ptr, lut_ptr, out_ptr,
                    S, D, NP, NC,
                    PAGE: tl.constexpr, CHUNK: tl.constexpr, HAS_PAGE: tl.constexpr, TOKEN_AXIS: tl.constexpr,
                    HAS_RES: tl.constexpr, STAT_UNIT: tl.constexpr,
@@ -40,11 +40,11 @@ def _decode_kernel(a_ptr, r_ptr, gmin_ptr, gscale_ptr, mu_ptr, rho_ptr, lut_ptr,
         tl.store(out_ptr + (bh * S + s) * D + d, xn.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def decode_codes_triton(anchor, residual, gmin, gscale, mu, rho, lut, *, axis: str, page: int, chunk: int,
+def dequantize_codes_triton(anchor, residual, gmin, gscale, mu, rho, lut, *, axis: str, page: int, chunk: int,
                         out_dtype: torch.dtype, out: torch.Tensor | None = None):
-    """Same contract as lynx_hf.quant.lynx.decode_codes (a given `out` receives a copy of the result)."""
+    """Same contract as lynx_hf.quant.lynx.dequantize_codes (a given `out` receives a copy of the result)."""
     if out is not None:
-        return out.copy_(decode_codes_triton(anchor, residual, gmin, gscale, mu, rho, lut, axis=axis, page=page,
+        return out.copy_(dequantize_codes_triton(anchor, residual, gmin, gscale, mu, rho, lut, axis=axis, page=page,
                                              chunk=chunk, out_dtype=out_dtype))
     B, H, S, HD = anchor.shape
     D = 2 * HD
@@ -54,7 +54,7 @@ def decode_codes_triton(anchor, residual, gmin, gscale, mu, rho, lut, *, axis: s
     NC = 1 if axis == "token" else mu.shape[2]
     BLOCK_S = 32
     grid = (B * H, triton.cdiv(S, BLOCK_S))
-    _decode_kernel[grid](anchor.contiguous(), residual.contiguous() if has_res else anchor,
+    _dequantize_kernel[grid](anchor.contiguous(), residual.contiguous() if has_res else anchor,
                          gmin.contiguous() if has_page else mu, gscale.contiguous() if has_page else mu,
                          mu.contiguous(), rho.contiguous(), lut.to(anchor.device).contiguous(), out, S, D, NP, NC,
                          PAGE=page, CHUNK=chunk, HAS_PAGE=has_page, TOKEN_AXIS=axis == "token", HAS_RES=has_res,
