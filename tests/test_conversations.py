@@ -375,3 +375,32 @@ def test_in_process_links_stop_where_the_context_ends():
     assert r.tokens == plain[0, 60:64].tolist() and r.finish_reason == "context"
     with pytest.raises(ValueError, match="65 tokens exceeds this model's context of 64"):
         lynx_hf.Session(small).generate(ids(65, 71))
+
+
+def test_a_padded_batch_row_is_refused_with_the_way_out_and_an_unpadded_row_goes_on(tiny):
+    """A left-padded batch, generated, then each row on its own cache (deepcopy + batch_select_indices): the padded
+    row's next turn is refused — with its mask or without, where it silently attended to its pads before — saying
+    how to prefill it unpadded; the full-length row goes on and equals the same conversation never batched."""
+    import copy
+
+    import lynx_hf
+    from lynx_hf import LynxCache
+
+    a, b = ids(40, 80), ids(25, 81)
+    batch = torch.tensor([a, [0] * 15 + b])
+    mask = torch.tensor([[1] * 40, [0] * 15 + [1] * 25])
+    kw = dict(custom_generate=lynx_hf.speculative_generate, max_new_tokens=4, do_sample=False, eos_token_id=None)
+    cache, _ = LynxCache.from_prefill(tiny, batch, quant_config=Q(method="identity"), attention_mask=mask)
+    out = tiny.generate(batch, attention_mask=mask, cache=cache, **kw)
+    rows = []
+    for r in (0, 1):
+        c = copy.deepcopy(cache)
+        c.batch_select_indices([r])
+        rows.append(c)
+    turn = torch.cat([out[1:], torch.tensor([ids(6, 82)])], 1)
+    for m in (None, torch.cat([mask[1:], torch.ones(1, turn.shape[1] - 40, dtype=torch.long)], 1)):
+        with pytest.raises(ValueError, match="holds 15 positions of padding .* LynxCache.from_prefill"):
+            tiny.generate(turn, attention_mask=m, cache=rows[1], **kw)
+    turn0 = torch.cat([out[:1], torch.tensor([ids(6, 83)])], 1)
+    got = tiny.generate(turn0, cache=rows[0], **kw)
+    assert torch.equal(got, tiny.generate(turn0, max_new_tokens=4, do_sample=False, eos_token_id=None))

@@ -53,6 +53,7 @@ class Conversation:
         self.phase, self._turns = "fresh", 0
         self.tokens: torch.Tensor | None = None  # [B, N] CPU long: the ids by absolute position
         self.prompt: tuple | None = None  # (key, mask [B, P] bool) of the prompt (expect_prompt)
+        self.visible: torch.Tensor | None = None  # [B, P] bool: the prompt's mask, kept through batch maps
         self.media_key: str | None = None  # digest of the images / audio the prompt was prefilled with
         self.encoded_key: str | None = None  # digest of those images' encoder outputs (what generate passes on)
         self.listening = False  # a plain generate was entered and has not run its first forward yet
@@ -71,7 +72,7 @@ class Conversation:
         if input_ids.dim() != 2 or input_ids.shape[1] != P:
             raise ValueError(f"expect_prompt: input_ids must be [B, {P}], got {tuple(input_ids.shape)}")
         mask = norm_mask(attention_mask, input_ids)
-        self.prompt = (prompt_key(input_ids, mask), mask)
+        self.prompt, self.visible = (prompt_key(input_ids, mask), mask), mask
         self.tokens = input_ids.detach().long().cpu().clone()
 
     def check_prompt(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
@@ -142,6 +143,11 @@ class Conversation:
                              "be continued")
         if input_ids.dim() != 2 or input_ids.shape[0] != 1 or self.tokens.shape[0] != 1:
             raise ValueError(ONE_ROW)
+        if self.visible is not None and not bool(self.visible.all()):
+            pads = int((~self.visible).sum())
+            raise ValueError(f"this LynxCache row holds {pads} positions of padding (its prompt was padded in a "
+                             f"batch), which a continued turn would attend to: prefill the row's conversation "
+                             f"unpadded instead, LynxCache.from_prefill(model, ids[:, mask[0].bool()])")
         if attention_mask is not None and not bool(attention_mask.bool().all()):
             raise ValueError("a continued turn cannot have padding (its attention_mask has zeros)")
         cache = self.cache
@@ -327,7 +333,8 @@ class Conversation:
         new.loader, new._hooks, new._model, new._bound = None, [], None, False
         new.trace = Trace()
         new.conversation = c = Conversation(new)
-        c.phase, c._turns, c.tokens, c.prompt = "held", self._turns, self.tokens.clone(), self.prompt
+        c.phase, c._turns, c.tokens, c.prompt, c.visible = "held", self._turns, self.tokens.clone(), self.prompt, \
+            self.visible
         c.media_key, c.encoded_key = self.media_key, self.encoded_key
         model = cache._model() if cache._model is not None else None
         if model is not None:

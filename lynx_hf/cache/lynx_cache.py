@@ -306,7 +306,8 @@ class LynxCache(Cache):
         _batch_map(self, "reorder_cache", beam_idx, lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_select_indices(self, indices: torch.Tensor):
-        _batch_map(self, "batch_select_indices", indices, lambda t: t[torch.as_tensor(indices).to(t.device)])
+        indices = torch.as_tensor(indices, dtype=torch.long)  # (a list of rows too, as the README shows it)
+        _batch_map(self, "batch_select_indices", indices, lambda t: t[indices.to(t.device)])
 
     def batch_repeat_interleave(self, repeats: int):
         _batch_map(self, "batch_repeat_interleave", repeats, lambda t: t.repeat_interleave(repeats, dim=0))
@@ -394,6 +395,8 @@ def _batch_map(cache: LynxCache, name: str, arg, rows) -> None:
         conv.tokens = rows(conv.tokens)
     if cache.prefill_logits is not None:
         cache.prefill_logits = rows(cache.prefill_logits)
+    if conv.visible is not None:  # (a row's padding stays known: it cannot be continued)
+        conv.visible = rows(conv.visible)
     conv.prompt = None
 
 
