@@ -13,7 +13,8 @@ is served); the arms take their turns interleaved, so a busy moment of the machi
 and arm: TTFT (first token), first verified token, TT32T, bytes on the wire (anchor / residual), the positions
 shipped and those the prefill side computed (past its prefix hit), and for Lynx `identical`: the turn's tokens equal
 the same KV decoded without drafts (a plain generate on the turn's cache from its first token: one-token steps on
-the full tier). Progress bar; a PNG of TTFT per turn by arm; one JSON line at the end,
+the full tier), and `prefill_bound`: the prefill node's compute outlasted the anchor's transfer. Progress bar; a
+PNG of TTFT per turn by arm; one JSON line at the end,
 {"arms": {"lynx/delta": [per turn], "lynx/whole": [...], ...}, ...}."""
 from __future__ import annotations
 
@@ -95,12 +96,17 @@ def conversation(tok, turns: int, seed: int = 0, system_tokens: int = 1024,
     return system + first_user, msgs
 
 
-def _turn_row(r: dict, turn: int, ids: list[int], identical) -> dict:
+def _turn_row(r: dict, turn: int, ids: list[int], identical, bandwidth_bps: float) -> dict:
+    """One turn of one arm. prefill_bound: the prefill node's compute took longer than the anchor's time on the link
+    (what set the turn's TTFT was the server, not the transfer)."""
+    link_s = r["anchor_bytes"] * 8 / bandwidth_bps
     return {"turn": turn, "new_tokens": len(ids) - r["held_tokens"], "total_tokens": len(ids),
+            "prefill_bound": r["prefill_s"] is not None and r["prefill_s"] > link_s,
             "held_tokens": r["held_tokens"], "ttft_s": r["ttft_s"], "ttft_verified_s": r["ttft_verified_s"],
             "tt32t_s": r["tt32t_s"], "wire_bytes": r["bytes"], "anchor_bytes": r["anchor_bytes"],
             "residual_bytes": r["bytes"] - r["anchor_bytes"],
-            "prefill_tokens": len(ids) - (r.get("prefix_hit") or 0), "prefill_s": r["prefill_s"],
+            "prefill_tokens": len(ids) - r["held_tokens"] if r.get("prefilled_on") == "decode" else
+            len(ids) - (r.get("prefix_hit") or 0), "prefill_s": r["prefill_s"],  # (computed where it was placed)
             "drafted": r["stats"]["drafted"], "accepted": r["stats"]["accepted"], "identical": identical,
             "prefilled_on": r.get("prefilled_on", "prefill")}
 
@@ -157,7 +163,7 @@ def run(turns: int = 4, bandwidth_mbps: float = 15.0, new_tokens: int = 32, pref
                     ref = no_draft_reference(model, r["cache"], ids, r["tokens"])
                     identical = ref == r["tokens"]
                     r["tokens"] = ref  # the conversation goes on with what the cache now holds
-                arms[name].append(_turn_row(r, t + 1, ids, identical))
+                arms[name].append(_turn_row(r, t + 1, ids, identical, bandwidth_mbps * 1e6))
                 conv[name] = ids + r["tokens"] + chat.reply_end()
                 bar.update(1)
         bar.close()

@@ -2,7 +2,7 @@
 
 It orchestrates: a loader on another thread fills each layer's `PromptStore` (`put_anchor` / `put_residual` /
 `put_logits`, under the cache's lock); the decoding thread polls readiness without blocking and materialises a tier
-(`set_tier`, or layer by layer inside a forward pass with `set_full_tier_per_layer`). The lock covers the stores
+(`set_tier`, or layer by layer inside a forward pass with `set_tier("full", per_layer=True)`). The lock covers the stores
 only: dequantization runs outside it, so the receiver keeps reading the socket while a tier is materialised.
 
 Two ways to decode from it:
@@ -206,9 +206,17 @@ class LynxCache(Cache):
             return self.trace.residual_eta(sum(l.store.missing for l in self.layers))
 
     # -- decode side: tiers -------------------------------------------------------------------------------------------
-    def set_tier(self, tier: str, only_missing: bool = False) -> None:
+    def set_tier(self, tier: str, only_missing: bool = False, per_layer: bool = False) -> None:
         """Materialise every layer's prompt at `tier` (after wait_anchors / wait_residual; only_missing: the layers
-        not at that tier yet): the segments are taken under the lock, dequantized outside it."""
+        not at that tier yet): the segments are taken under the lock, dequantized outside it. per_layer (the full
+        tier only): each layer's next `update` (its turn in the next forward pass) first waits for that layer's
+        residual, then materialises it — a forward pass started before the residual is complete runs each layer as
+        soon as its residual has landed (verification overlaps the transfer)."""
+        if per_layer:
+            if tier != "full":
+                raise ValueError("set_tier(per_layer=True) switches to the full tier")
+            self._pending_full = [True] * len(self.layers)
+            return
         with self._lock:
             if not complete(self.layers, tier if tier == "anchor" else "residual"):
                 raise RuntimeError(f"set_tier({tier!r}) before that tier's streams are complete")
@@ -216,12 +224,6 @@ class LynxCache(Cache):
             snaps = [_snapshot(l) for l in todo]
         for l, snap in zip(todo, snaps):
             l.materialise(tier, snap, self.dtype, self.device)
-
-    def set_full_tier_per_layer(self) -> None:
-        """Switch to the full tier layer by layer: each layer's next `update` (its turn in the next forward pass)
-        first waits for that layer's residual, then materialises it. A forward pass started before the residual is
-        complete thus runs each layer as soon as its residual has landed (verification overlaps the transfer)."""
-        self._pending_full = [True] * len(self.layers)
 
     def pin_tier(self, tier: str = "full") -> "LynxCache":
         """Serve plain decoding (`generate` without custom_generate, or forward passes) from one tier, never

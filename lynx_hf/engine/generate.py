@@ -211,7 +211,7 @@ def _draft_and_verify(s: DecodeState, spec, tree: bool) -> None:
     cache.need_residual()  # a step-count schedule releases the residual now; a real link just goes on
     t = trace.mark("verify_start")
     s.drop_tail(s.P)  # the draft-phase tail was computed against the anchor tier
-    cache.set_full_tier_per_layer()  # the verify pass runs each layer once its residual is in
+    cache.set_tier("full", per_layer=True)  # the verify pass runs each layer once its residual is in
     live = s.active_rows()
     accepted, stood = drafter.verify()
     trace.stats.verify_s += time.perf_counter() - t
