@@ -50,7 +50,7 @@ def score(model, probe: Probe, config, tier: str) -> dict:
     for i, (k, v) in enumerate(zip(probe.keys, probe.values)):
         where = (i, len(probe.keys))
         sk, sv = quant.encode(k, config, "key", layer=where), quant.encode(v, config, "value", layer=where)
-        dk, dv = quant.decode(sk, tier), quant.decode(sv, tier)
+        dk, dv = quant.dequantize(sk, tier), quant.dequantize(sv, tier)
         K.append(dk), V.append(dv)
         nbytes += sk.nbytes(tier) + sv.nbytes(tier)
         numel += k.numel() + v.numel()
