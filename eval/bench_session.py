@@ -198,7 +198,11 @@ def markdown(res: dict, cmd: str) -> list[str]:
              "turn a tool output of 500–800 tokens of Python standard-library source and a "
              f"{res['new_tokens']}-token reply. *whole*: the whole history shipped every turn; *delta*: the decode side "
              f"keeps the conversation's LynxCache and only the new positions cross the link (prefix cache "
-             f"{'on' if res['prefix_cache'] else 'off'}). Last turn ({res['turns']}):", "",
+             f"{'on' if res['prefix_cache'] else 'off'}; each arm its own conversation, so the prefill server's "
+             "prefix cache serves an arm only its own earlier turns, as one real conversation is served: *computed* is "
+             "what the prefill node recomputed, the assistant's replies included); *auto*: Lynx delta with each "
+             "continued turn's new positions computed where `session.Placement` expects the first token sooner "
+             f"(turns on the decode node here: {_placed(res['arms'])}). Last turn ({res['turns']}):", "",
              "| arm | tokens | shipped | computed | TTFT s | TT32T s | MB (anchor + residual) | drafts kept |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, rows in arms.items():
@@ -218,6 +222,11 @@ def markdown(res: dict, cmd: str) -> list[str]:
               "|---|" + "---:|" * len(next(iter(arms.values())))]
     lines += [f"| {name} | " + " | ".join(f"{r['ttft_s']:.2f}" for r in rows) + " |" for name, rows in arms.items()]
     return lines + [""]
+
+
+def _placed(arms: dict) -> str:
+    rows = arms.get("lynx/auto", [])
+    return ", ".join(str(r["turn"]) for r in rows if r.get("prefilled_on") == "decode") or "none"
 
 
 def write_section(path: Path, lines: list[str]) -> None:
