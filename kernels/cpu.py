@@ -333,7 +333,7 @@ def encode_codes_cpu(x, gmin, gscale, mu, rho, thr, *, axis: str, page: int, chu
 
 
 def dequantize_codes_cpu(anchor, residual, gmin, gscale, mu, rho, lut, *, axis: str, page: int, chunk: int,
-                     out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+                         out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as lynx_hf.quant.lynx.dequantize_codes; a given `out` whose rows are contiguous (a slice of a
     cache's [B, H, T, D] buffer along T, say) is written in place, any other through a copy."""
     B, H, S, HD = anchor.shape
@@ -347,7 +347,7 @@ def dequantize_codes_cpu(anchor, residual, gmin, gscale, mu, rho, lut, *, axis: 
         st = out.stride()
         if not (st[3] == 1 and st[2] == D and (B == 1 or st[0] == H * st[1])):
             return out.copy_(dequantize_codes_cpu(anchor, residual, gmin, gscale, mu, rho, lut, axis=axis, page=page,
-                                              chunk=chunk, out_dtype=out_dtype))
+                                                  chunk=chunk, out_dtype=out_dtype))
         dst, bh_stride = out, st[1]
     else:
         dst, bh_stride = _empty((B, H, S, D), out_dtype), S * D

@@ -8,10 +8,10 @@ import triton.language as tl
 
 @triton.jit
 def _dequantize_kernel(a_ptr, r_ptr, gmin_ptr, gscale_ptr, mu_ptr, rho_ptr, lut_ptr, out_ptr,
-                   S, D, NP, NC,
-                   PAGE: tl.constexpr, CHUNK: tl.constexpr, HAS_PAGE: tl.constexpr, TOKEN_AXIS: tl.constexpr,
-                   HAS_RES: tl.constexpr, STAT_UNIT: tl.constexpr,
-                   BLOCK_S: tl.constexpr, HALF_D: tl.constexpr):
+                       S, D, NP, NC,
+                       PAGE: tl.constexpr, CHUNK: tl.constexpr, HAS_PAGE: tl.constexpr, TOKEN_AXIS: tl.constexpr,
+                       HAS_RES: tl.constexpr, STAT_UNIT: tl.constexpr,
+                       BLOCK_S: tl.constexpr, HALF_D: tl.constexpr):
     bh = tl.program_id(0)
     s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)[:, None]
     j = tl.arange(0, HALF_D)[None, :]
@@ -41,11 +41,11 @@ def _dequantize_kernel(a_ptr, r_ptr, gmin_ptr, gscale_ptr, mu_ptr, rho_ptr, lut_
 
 
 def dequantize_codes_triton(anchor, residual, gmin, gscale, mu, rho, lut, *, axis: str, page: int, chunk: int,
-                        out_dtype: torch.dtype, out: torch.Tensor | None = None):
+                            out_dtype: torch.dtype, out: torch.Tensor | None = None):
     """Same contract as lynx_hf.quant.lynx.dequantize_codes (a given `out` receives a copy of the result)."""
     if out is not None:
         return out.copy_(dequantize_codes_triton(anchor, residual, gmin, gscale, mu, rho, lut, axis=axis, page=page,
-                                             chunk=chunk, out_dtype=out_dtype))
+                                                 chunk=chunk, out_dtype=out_dtype))
     B, H, S, HD = anchor.shape
     D = 2 * HD
     out = torch.empty(B, H, S, D, dtype=out_dtype, device=anchor.device)

@@ -100,3 +100,21 @@ def certificate(tmp_path_factory):
                     "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(d / "key.pem"),
                     "-out", str(d / "cert.pem")], check=True, capture_output=True, timeout=60)
     return str(d / "cert.pem"), str(d / "key.pem")
+
+
+LOOPBACK_SECRET = "loopback-secret"
+
+
+def tiny_ids(n: int, seed: int) -> list[int]:
+    """n token ids of the tiny model's vocabulary (3..95: no special ids), seeded."""
+    return torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture()
+def loopback_server(tiny):
+    """A prefill server for the tiny model in this process (a 16 MB prefix cache), closed after the test."""
+    from lynx_hf.transfer import server as S
+
+    srv = S.PrefillServer(tiny, secret=LOOPBACK_SECRET, prefix_cache_mb=16).start()
+    yield srv
+    srv.close()

@@ -9,27 +9,20 @@ import time
 
 import pytest
 import torch
+from conftest import LOOPBACK_SECRET as SECRET, tiny_ids as ids
 
 from lynx_hf import LynxQuantConfig as Q
 from lynx_hf.loader import LoaderError
 from lynx_hf.transfer import prefill as P
-from lynx_hf.transfer import server as S
 from lynx_hf.transfer.decode import DecodeClient
 from lynx_hf.transfer.wire import WireError
 
-SECRET = "turns-secret"
 KW = dict(quant_config=Q(method="identity"), max_new_tokens=6)
 
 
-def ids(n, seed):
-    return torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 @pytest.fixture()
-def server(tiny):
-    srv = S.PrefillServer(tiny, secret=SECRET, prefix_cache_mb=16).start()
-    yield srv
-    srv.close()
+def server(loopback_server):
+    return loopback_server
 
 
 def snapshot(cache):

@@ -189,19 +189,19 @@ def encode_codes(x, gmin, gscale, mu, rho, thr, *, axis: str, page: int, chunk: 
 
 
 def dequantize_codes(anchor, residual, gmin, gscale, mu, rho, lut, *, axis: str, page: int, chunk: int,
-                 out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+                     out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """Unpack, look up and de-normalise. residual None → anchor tier (lut is the 16-entry anchor table),
     else full tier (lut is the 256-entry table). Returns [B, H, S, D] in out_dtype, written into `out` when given
     (a tensor of that shape and dtype, any strides: e.g. a slice of a cache's KV buffer). Blocks of heads, as encode."""
     if out is not None:
         check_out(out, anchor, out_dtype)
         return out.copy_(dequantize_codes(anchor, residual, gmin, gscale, mu, rho, lut, axis=axis, page=page,
-                                      chunk=chunk, out_dtype=out_dtype))
+                                          chunk=chunk, out_dtype=out_dtype))
     B, H, S, HD = anchor.shape
     blocks = _head_blocks(H, B * S * HD * 2)
     if blocks:
         return torch.cat([dequantize_codes(anchor[:, h], _sl(residual, h), _sl(gmin, h), _sl(gscale, h), _sl(mu, h),
-                                       _sl(rho, h), lut, axis=axis, page=page, chunk=chunk, out_dtype=out_dtype)
+                                           _sl(rho, h), lut, axis=axis, page=page, chunk=chunk, out_dtype=out_dtype)
                           for h in blocks], 1)
     a = unpack4(anchor)
     code = a if residual is None else join_codes(a, unpack4(residual))
@@ -286,5 +286,5 @@ def dequantize(split: SplitKV, tier: str, kernels: Kernels = REFERENCE,
     m = split.meta
     res, lut = (split.residual, full) if tier == "full" else (None, anc)
     return kernels.dequantize_codes(split.anchor, res, m.get("gamma_min"), m.get("gamma_scale"), m["mu"], m["sigma"],
-                                lut, axis=split.axis, page=cfg.page_size, chunk=cfg.chunk_size, out_dtype=split.dtype,
-                                out=out)
+                                    lut, axis=split.axis, page=cfg.page_size, chunk=cfg.chunk_size, out_dtype=split.dtype,
+                                    out=out)
