@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .arch import context_budget, max_prompt_tokens
+from .arch import context_budget, logits_width, max_prompt_tokens
 from .cache import LynxCache
 from .config import LynxQuantConfig, SpecConfig
 from .trace import DictReads
@@ -117,6 +117,18 @@ class Placement:
             self.local_s_per_token = seconds / new_tokens
 
 
+def decode_turn(model, ids: torch.Tensor, cache: LynxCache, spec: SpecConfig, max_new: int, gen_kwargs: dict):
+    """The decode side's generate of one turn on `cache`, for every link: a `streamer=` is handed to
+    speculative_generate as its `lynx_streamer` (Transformers would keep a streamer= itself), greedy by default."""
+    from .engine import speculative_generate
+
+    if "streamer" in gen_kwargs and "lynx_streamer" not in gen_kwargs:
+        gen_kwargs = {**gen_kwargs, "lynx_streamer": gen_kwargs["streamer"]}
+        del gen_kwargs["streamer"]
+    return model.generate(ids, cache=cache, custom_generate=speculative_generate, spec_config=spec,
+                          max_new_tokens=max_new, **{"do_sample": False, **gen_kwargs})
+
+
 def check_turn(model, vocab: int, context: int, input_ids, max_new_tokens, cache) -> tuple[torch.Tensor, int]:
     """A turn's arguments, checked before anything is computed, sent or any cache touched: ids a non-empty list of
     ints within the vocabulary and the model's context, max_new_tokens an int >= 1, `cache` one that can be
@@ -151,8 +163,7 @@ class LocalLink:
     def __init__(self, model, residual_after_steps: int | None = None, bandwidth_bps: float | None = None):
         self.model, self.residual_after_steps, self.bandwidth_bps = model, residual_after_steps, bandwidth_bps
         self.context = max_prompt_tokens(model)
-        self.vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None \
-            else model.config.get_text_config().vocab_size
+        self.vocab = logits_width(model)
         self._lock = threading.Lock()  # one turn at a time on the model
 
     def generate(self, input_ids, quant_config: LynxQuantConfig | None = None, max_new_tokens: int = 32,
@@ -160,7 +171,6 @@ class LocalLink:
                  keep_cache: bool = False, **gen_kwargs) -> TurnResult:
         """As `DecodeClient.generate`, in this process (the same arguments, result and failure rules)."""
         from . import local  # (the prefill side registers LynxCache's constructors)
-        from .engine import speculative_generate
 
         ids, max_new = check_turn(self.model, self.vocab, self.context, input_ids, max_new_tokens, cache)
         cfg = cache.quant_config if cache is not None and quant_config is None else quant_config or LynxQuantConfig()
@@ -177,10 +187,7 @@ class LocalLink:
                 local.add_turn(self.model, cache, ids, self.residual_after_steps, self.bandwidth_bps)
                 held = cache.trace.stats.held_tokens
             cache.trace.t0, loader = t0, cache.loader
-            if "streamer" in gen_kwargs and "lynx_streamer" not in gen_kwargs:  # Transformers would keep it
-                gen_kwargs["lynx_streamer"] = gen_kwargs.pop("streamer")
-            out = self.model.generate(ids, cache=cache, custom_generate=speculative_generate, spec_config=spec,
-                                      max_new_tokens=max_new, **{"do_sample": False, **gen_kwargs})
+            out = decode_turn(self.model, ids, cache, spec, max_new, gen_kwargs)
             if not keep:
                 cache.close()  # an early stop ends the simulated link
         tokens = out[0, ids.shape[1]:].tolist()

@@ -23,7 +23,7 @@ from ..errors import ConfigError
 from ..flags import MAX_TIMEOUT_S, seconds
 from ..loader import Loader
 from ..local import extend_here
-from ..session import PLACES, Placement, Session, TurnResult, check_turn
+from ..session import PLACES, Placement, Session, TurnResult, check_turn, decode_turn
 from .prefix_cache import token_digest
 from . import nixl
 from .serde import check_residual, stream_bound, to_split, unpack_logits, unpack_segment, warm
@@ -162,8 +162,8 @@ class DecodeClient:
         them into this process's memory: `pip install 'lynx-hf[nixl]'`, a server started with --data-plane nixl).
         prefill_on: where a continued turn's new positions are computed — "prefill" (the prefill server), "decode"
         (here, in full precision: nothing crosses the link) or "auto" (`session.Placement`: the faster by rates
-        measured on this connection); a turn may override it. Everything this side must compute happens before it connects, so that the server's handshake deadline
-        measures the network and the peer only."""
+        measured on this connection); a turn may override it. Everything this side must compute happens before it
+        connects, so that the server's handshake deadline measures the network and the peer only."""
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not seconds().ok(timeout_s):
             raise ConfigError(f"timeout_s must be a finite number of seconds in (0, {MAX_TIMEOUT_S:g}], got {timeout_s!r}")
         self.model, self.timeout = model, timeout_s
@@ -238,8 +238,6 @@ class DecodeClient:
 
     def _turn(self, ids, max_new, clipped, quant_config, speculative, spec_config, cache, keep, prefill_on,
               gen_kwargs):
-        from ..engine import speculative_generate
-
         cfg = cache.quant_config if cache is not None and quant_config is None else quant_config or LynxQuantConfig()
         if cache is not None:  # the turn runs on a branch: whatever fails, `cache` stays as it was
             cache = cache.fork()
@@ -261,10 +259,7 @@ class DecodeClient:
         cache.trace.t0 = t0  # one clock: every figure of this request counts from sending it
         loader = NetworkLoader(self.ch, p, rid, self.timeout, arena).attach(cache)
         try:
-            if "streamer" in gen_kwargs and "lynx_streamer" not in gen_kwargs:  # Transformers would keep it
-                gen_kwargs["lynx_streamer"] = gen_kwargs.pop("streamer")
-            out = self.model.generate(ids, cache=cache, custom_generate=speculative_generate, spec_config=spec,
-                                      max_new_tokens=max_new, **{"do_sample": False, **gen_kwargs})
+            out = decode_turn(self.model, ids, cache, spec, max_new, gen_kwargs)
         except BaseException as e:
             if not (isinstance(e, Exception) and self._settle(cache, loader, cancel=True)):
                 self._broken = e  # interrupted, or the stream did not end cleanly: the connection's state is unknown
@@ -278,17 +273,12 @@ class DecodeClient:
     def _turn_here(self, ids, max_new, clipped, spec, cache, held, gen_kwargs) -> TurnResult:
         """A continued turn whose new positions [held, L) are computed here, in full precision: nothing crosses
         the link, and nothing is left to verify (the KV is the model's own)."""
-        from ..engine import speculative_generate
-
         t0 = time.perf_counter()
         extend_here(self.model, cache, ids, held)
         self.placement.observe("decode", ids.shape[1] - held, time.perf_counter() - t0)
         cache.trace.t0 = t0
         cache.trace.stats.held_tokens = held
-        if "streamer" in gen_kwargs and "lynx_streamer" not in gen_kwargs:
-            gen_kwargs["lynx_streamer"] = gen_kwargs.pop("streamer")
-        out = self.model.generate(ids, cache=cache, custom_generate=speculative_generate, spec_config=spec,
-                                  max_new_tokens=max_new, **{"do_sample": False, **gen_kwargs})
+        out = decode_turn(self.model, ids, cache, spec, max_new, gen_kwargs)
         return TurnResult.of(out[0, ids.shape[1]:].tolist(), t0, cache, held, None, None, max_new, clipped, "decode")
 
     @torch.no_grad()
