@@ -27,9 +27,8 @@ def run(drafts: int = 31, as_json=False, model_name=None):
     for ids in tqdm(eval_prompts(tok), desc="prompts", disable=as_json):
         kv, logits = prefill(model, ids)
         for name, (cfg, spec) in RUNS.items():
-            cache = LynxCache.from_kv(model, ids.shape[1], kv, logits, cfg, residual_after_steps=drafts,
-                                      spec_config=spec)
-            model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate,
+            cache = LynxCache.from_kv(model, ids.shape[1], kv, logits, cfg, residual_after_steps=drafts)
+            model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate, spec_config=spec,
                            max_new_tokens=drafts + 2, do_sample=False)  # first token, drafts, one more
             st = cache.stats
             res[name].append((st["accepted"], st["drafted"], st["tree_nodes"] or st["drafted"], st["verify_s"]))

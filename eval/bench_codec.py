@@ -1,4 +1,4 @@
-"""`lynx-hf bench codec`: encode / decode throughput of each implementation next to `copy_` bandwidth, measured in
+"""`lynx-hf bench codec`: encode / dequantize throughput of each implementation next to `copy_` bandwidth, measured in
 one run on the same tensors: KV-shaped fp32 tensors [1, 2 × layers × heads, S, 64] from ~1 MB to `max_mb`, medians
 over `reps` repeats. CPU paths: "c" (the C kernels, the default), "compiled" (torch.compile of the torch ops),
 "eager" (torch ops); CUDA: "triton" (the kernels) and "eager". Encode is the whole encode (range pass, statistics,
@@ -101,7 +101,7 @@ def register(bench) -> None:
     from lynx_hf.cli import JSON_HELP, subcommand
     from lynx_hf.flags import count, megabytes, tokens
 
-    p = subcommand(bench, "codec", "encode / decode throughput of each implementation next to copy_ bandwidth")
+    p = subcommand(bench, "codec", "encode / dequantize throughput of each implementation next to copy_ bandwidth")
     p.add_argument("--tokens", type=tokens(), default=HEADLINE_TOKENS,
                    help="headline size, the KV of this many tokens")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the tensors and kernels run")

@@ -60,11 +60,11 @@ def run(prompts: int = 6, tokens: int = 48, prompt_tokens: int = 256, as_json: b
             got = {}
             for arm, steps in (("lynx_drafts", 64), ("lynx_no_drafts", 0)):
                 cache, _ = LynxCache.from_prefill(model, ids, quant_config=LynxQuantConfig(method="identity"),
-                                                  residual_after_steps=8, spec_config=SpecConfig(max_draft_steps=steps))
+                                                  residual_after_steps=8)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     got[arm] = model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate,
-                                              **kw)[0, P:].tolist()
+                                              spec_config=SpecConfig(max_draft_steps=steps), **kw)[0, P:].tolist()
             got["prompt_lookup"] = model.generate(ids, prompt_lookup_num_tokens=10, **kw)[0, P:].tolist()
             for arm, out in got.items():
                 row[arm] += out == plain

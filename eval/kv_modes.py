@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from lynx_hf import LynxCache, LynxQuantConfig, SpecConfig
+from lynx_hf import LynxCache, LynxQuantConfig
 from lynx_hf.errors import ConfigError
 # internal: one prefill's (KV, logits), reused by every KV mode (LynxCache.from_prefill runs its own)
 from lynx_hf.local import prefill
@@ -42,8 +42,7 @@ def mode_config(mode: str, lynx_config: LynxQuantConfig | None = None) -> tuple[
 
 
 def transferred_cache(model, kv, logits, prompt_len: int, mode: str, lynx_config: LynxQuantConfig | None = None,
-                      residual_after: int | None = None, bandwidth_bps: float | None = None,
-                      spec_config: SpecConfig | None = None) -> LynxCache:
+                      residual_after: int | None = None, bandwidth_bps: float | None = None) -> LynxCache:
     """A decode node's cache for a prefill's (kv, logits) in `mode`. "lynx" is left streaming (its residual after
     `residual_after` draft steps, or over a simulated link) for `speculative_generate`; every other mode is pinned
     to its tier, ready for plain decoding or scoring."""
@@ -51,7 +50,7 @@ def transferred_cache(model, kv, logits, prompt_len: int, mode: str, lynx_config
     streaming = mode == "lynx"
     cache = LynxCache.from_kv(model, prompt_len, kv, logits, cfg,
                               residual_after_steps=residual_after if streaming else None,
-                              spec_config=spec_config, bandwidth_bps=bandwidth_bps if streaming else None)
+                              bandwidth_bps=bandwidth_bps if streaming else None)
     return cache if streaming else cache.pin_tier(tier)
 
 

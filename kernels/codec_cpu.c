@@ -2,7 +2,7 @@
  * builds this file once per machine and calls it through ctypes, one row range per thread).
  *
  * Contract: every function computes exactly what its torch twin computes (same IEEE fp32 operations in the same
- * order; built with -ffp-contract=off, never -ffast-math), so codes, statistics and decoded values are bit-identical
+ * order; built with -ffp-contract=off, never -ffast-math), so codes, statistics and dequantized values are bit-identical
  * to the reference. Tensors are contiguous; x is [BH, S, D] (B and H folded), D <= LYNX_MAX_D and even.
  * dtype: 0 = float32, 1 = float16, 2 = bfloat16. Statistics mu / rho are fp16 (stat_u8 = 0) or uint8 in units of
  * 1/255 (stat_u8 = 1); gmin / gscale (page stage, "paper" only) are fp16 or NULL. */
@@ -26,15 +26,15 @@ typedef struct {  /* lynx_encode_rows: x [BH, S, D] → anchor / residual codes 
     const int32_t *grid; int64_t ngrid; float grid_lo, grid_scale;
     uint8_t *anchor, *residual;
 } lynx_encode_args;
-typedef struct {  /* lynx_decode_rows: codes → x̂ in out_dtype, row (bh, s) at bh·out_bh_stride + s·D */
+typedef struct {  /* lynx_dequantize_rows: codes → x̂ in out_dtype, row (bh, s) at bh·out_bh_stride + s·D */
     const uint8_t *anchor, *residual;                        /* residual NULL: the anchor tier */
     const _Float16 *gmin, *gscale; int64_t NP, page;
     const void *mu, *rho; int64_t stat_u8, token_axis, chunk;
     const float *lut; int64_t S, D, out_dtype;
     void *out; int64_t out_bh_stride;
-} lynx_decode_args;
+} lynx_dequantize_args;
 int64_t lynx_sizeof_encode_args(void) { return (int64_t)sizeof(lynx_encode_args); }
-int64_t lynx_sizeof_decode_args(void) { return (int64_t)sizeof(lynx_decode_args); }
+int64_t lynx_sizeof_dequantize_args(void) { return (int64_t)sizeof(lynx_dequantize_args); }
 
 typedef _Float16 f16;
 
@@ -431,7 +431,7 @@ void lynx_encode_rows(const lynx_encode_args *args, int64_t r0, int64_t r1) {
 /* dequantize_codes twin for rows [r0, r1): x̂ = γ_min + γ_scale·(μ + σ·LUT[code]), code = anchor nibble (residual
  * NULL, 16-entry lut) or 16·anchor + residual (256-entry lut); out in out_dtype, row (bh, s) at element
  * bh·out_bh_stride + s·D (a slice of a longer buffer along S, or contiguous with out_bh_stride = S·D). */
-void lynx_decode_rows(const lynx_decode_args *args, int64_t r0, int64_t r1) {
+void lynx_dequantize_rows(const lynx_dequantize_args *args, int64_t r0, int64_t r1) {
     const uint8_t *anchor = args->anchor, *residual = args->residual;
     const f16 *gmin = args->gmin, *gscale = args->gscale; const int64_t NP = args->NP, page = args->page;
     const void *mu = args->mu, *rho = args->rho; const int stat_u8 = args->stat_u8, token_axis = args->token_axis;

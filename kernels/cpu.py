@@ -52,8 +52,8 @@ class EncodeArgs(ctypes.Structure):
                 ("anchor", _p), ("residual", _p)]
 
 
-class DecodeArgs(ctypes.Structure):
-    """lynx_decode_args, field for field (codec_cpu.c)."""
+class DequantizeArgs(ctypes.Structure):
+    """lynx_dequantize_args, field for field (codec_cpu.c)."""
     _fields_ = [("anchor", _p), ("residual", _p),
                 ("gmin", _p), ("gscale", _p), ("NP", _i64), ("page", _i64),
                 ("mu", _p), ("rho", _p), ("stat_u8", _i64), ("token_axis", _i64), ("chunk", _i64),
@@ -64,11 +64,11 @@ class DecodeArgs(ctypes.Structure):
 _SIGNATURES = {
     "lynx_abi": ([], _int),
     "lynx_sizeof_encode_args": ([], _i64),
-    "lynx_sizeof_decode_args": ([], _i64),
+    "lynx_sizeof_dequantize_args": ([], _i64),
     "lynx_minmax": ([_p, _int, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _p], None),
     "lynx_range_stats": ([_p, _p, _i64, _p, _p], None),
     "lynx_encode_rows": ([ctypes.POINTER(EncodeArgs), _i64, _i64], None),
-    "lynx_decode_rows": ([ctypes.POINTER(DecodeArgs), _i64, _i64], None),
+    "lynx_dequantize_rows": ([ctypes.POINTER(DequantizeArgs), _i64, _i64], None),
 }
 _state: dict = {}
 _build_lock = threading.Lock()
@@ -141,10 +141,10 @@ def _build(extra_flags: list[str] | None = None) -> ctypes.CDLL:
     for name, (args, res) in _SIGNATURES.items():
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = res
-    sizes = (lib.lynx_sizeof_encode_args(), lib.lynx_sizeof_decode_args())
-    if lib.lynx_abi() != ABI or sizes != (ctypes.sizeof(EncodeArgs), ctypes.sizeof(DecodeArgs)):
+    sizes = (lib.lynx_sizeof_encode_args(), lib.lynx_sizeof_dequantize_args())
+    if lib.lynx_abi() != ABI or sizes != (ctypes.sizeof(EncodeArgs), ctypes.sizeof(DequantizeArgs)):
         raise RuntimeError(f"{out.name}: ABI {lib.lynx_abi()} with argument structs of {sizes} bytes, expected ABI "
-                           f"{ABI} and {(ctypes.sizeof(EncodeArgs), ctypes.sizeof(DecodeArgs))}")
+                           f"{ABI} and {(ctypes.sizeof(EncodeArgs), ctypes.sizeof(DequantizeArgs))}")
     return lib
 
 
@@ -356,9 +356,9 @@ def dequantize_codes_cpu(anchor, residual, gmin, gscale, mu, rho, lut, *, axis: 
     gmin_c, gscale_c = (None, None) if gmin is None else (gmin.contiguous(), gscale.contiguous())
     mu, rho, lut = mu.contiguous(), rho.contiguous(), lut.float().contiguous()
     NP = 1 if gmin is None else gmin_c.shape[2]
-    args = DecodeArgs(anchor.data_ptr(), _ptr(residual), _ptr(gmin_c), _ptr(gscale_c), NP, page, mu.data_ptr(),
+    args = DequantizeArgs(anchor.data_ptr(), _ptr(residual), _ptr(gmin_c), _ptr(gscale_c), NP, page, mu.data_ptr(),
                       rho.data_ptr(), int(mu.dtype == torch.uint8), int(axis == "token"), chunk, lut.data_ptr(), S, D,
                       DTYPE_CODE[out_dtype], dst.data_ptr(), bh_stride)
     lib = _lib()
-    _parallel(lambda a, b: lib.lynx_decode_rows(ctypes.byref(args), a, b), B * H * S, MIN_ROWS_PER_THREAD)
+    _parallel(lambda a, b: lib.lynx_dequantize_rows(ctypes.byref(args), a, b), B * H * S, MIN_ROWS_PER_THREAD)
     return dst

@@ -21,7 +21,7 @@ from .arch import (layer_windows, media_inputs, media_key, refuse_encoder_decode
                    window_positions)
 from .cache import LynxCache  # lynx_hf.LynxCache: imported from here, so its constructors are registered
 from .cache.conversation import encoded_key
-from .cache.lynx_cache import PREFILL_SIDE
+from .cache.lynx_cache import PREFILL_SIDE, refuse_spec_config
 from .config import LynxQuantConfig
 from .errors import ConfigError
 from .link import LinkEmulator
@@ -41,10 +41,10 @@ class PromptCapture(DynamicCache):
     def __init__(self, config, on_layer, prompt_len: int, ship_from: int = 0, keep: bool = False):
         super().__init__(config=config)
         self.on_layer, self.prompt_len, self.ship_from = on_layer, prompt_len, ship_from
-        self.held = [window_positions(prompt_len, w) for w in layer_windows(config)]
-        self.seen = [0] * len(self.held)
+        self.window = [window_positions(prompt_len, w) for w in layer_windows(config)]
+        self.seen = [0] * len(self.window)
         self.keep = keep
-        self.kept: list = [[] for _ in self.held]  # passes of layers `span` cannot read back (keep only)
+        self.kept: list = [[] for _ in self.window]  # passes of layers `span` cannot read back (keep only)
 
     def whole(self, i: int) -> bool:
         """Whether layer i's own KV holds every position it has seen (a full-attention DynamicLayer)."""
@@ -69,18 +69,18 @@ class PromptCapture(DynamicCache):
 
     def forget_kept(self) -> None:
         """Drop the kept passes so far (what was fed from the prefix cache is there already)."""
-        self.kept = [[] for _ in self.held]
+        self.kept = [[] for _ in self.window]
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        if not 0 <= layer_idx < len(self.held):
+        if not 0 <= layer_idx < len(self.window):
             raise ValueError(f"LynxCache cannot hold this model's KV: it writes KV for cache layer {layer_idx} but has "
-                             f"{len(self.held)} attention layers (KV per recurrent loop or shared across layers)")
+                             f"{len(self.window)} attention layers (KV per recurrent loop or shared across layers)")
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         s0, n = self.seen[layer_idx], key_states.shape[-2]  # this pass: prompt positions [s0, s0 + n)
         self.seen[layer_idx] = s0 + n
         if self.keep and not self.whole(layer_idx):
             self.kept[layer_idx].append((key_states, value_states))
-        lo = max(s0, self.prompt_len - self.held[layer_idx], self.ship_from)
+        lo = max(s0, self.prompt_len - self.window[layer_idx], self.ship_from)
         if lo < s0 + n <= self.prompt_len:
             self.on_layer(layer_idx, key_states[:, :, lo - s0:], value_states[:, :, lo - s0:], lo)
         return out
@@ -236,6 +236,7 @@ def from_prefill(cls, model, input_ids: torch.Tensor, quant_config: LynxQuantCon
     simulated link in a background thread. `media`: the prompt's images / audio as the model takes them
     (pixel_values, image_sizes, ...): they run in the prefill, and generate must get the same ones or none."""
     refuse_encoder_decoder(model)
+    refuse_spec_config(spec_config)
     other = sorted(set(media) - set(media_inputs(media)))
     if other:
         raise ValueError(f"from_prefill got unexpected arguments {other} (besides its own it takes a model's media "
@@ -248,7 +249,7 @@ def from_prefill(cls, model, input_ids: torch.Tensor, quant_config: LynxQuantCon
     if encoded:
         inputs["mm_encoder_outputs"] = encoded
     kv, logits = prefill(model, input_ids, attention_mask, **inputs)
-    cache = from_kv(cls, model, input_ids.shape[1], kv, logits, quant_config, residual_after_steps, spec_config,
+    cache = from_kv(cls, model, input_ids.shape[1], kv, logits, quant_config, residual_after_steps, None,
                     bandwidth_bps, residual_after_tokens=residual_after_tokens)
     cache.conversation.expect_prompt(input_ids, attention_mask)
     cache.conversation.media_key = media_key(media_inputs(media))
@@ -282,8 +283,9 @@ def from_kv(cls, model, prompt_len: int, kv, logits: torch.Tensor, quant_config:
     """A cache of a `prompt_len`-token prompt fed by an InProcessLoader from `prefill`'s output (the KV each layer
     needs, the last position's logits), e.g. to decode one prefill several times."""
     refuse_encoder_decoder(model)
+    refuse_spec_config(spec_config)
     windows = layer_windows(model.config)
-    cache = cls(len(windows), prompt_len, quant_config, spec_config, dtype=kv[0][0].dtype, device=kv[0][0].device,
+    cache = cls(len(windows), prompt_len, quant_config, dtype=kv[0][0].dtype, device=kv[0][0].device,
                 sliding_windows=windows).bind(model)
     cache.put_logits(logits)
     InProcessLoader(kv, cache.quant_config, residual_after_steps, bandwidth_bps,
@@ -299,7 +301,7 @@ def add_turn(model, cache, input_ids: torch.Tensor, residual_after_steps: int | 
     `model.generate(input_ids, cache=cache, custom_generate=speculative_generate)` drafts on the held prefix plus
     the new range's anchor and verifies once its residual lands (schedule as in `from_prefill`). Returns the
     first token [1, 1] (the logits' argmax)."""
-    start = cache.conversation.continue_turn(input_ids)
+    cache.conversation.continue_turn(input_ids)
     kv, logits = prefill(model, input_ids)
     cache.conversation.begin_range(input_ids)
     P = cache.prompt_len
@@ -307,7 +309,6 @@ def add_turn(model, cache, input_ids: torch.Tensor, residual_after_steps: int | 
           for (k, v), l in zip(kv, cache.layers)]  # each layer's positions of the range
     cache.put_logits(logits)
     InProcessLoader(kv, cache.quant_config, residual_after_steps, bandwidth_bps).attach(cache)
-    cache.trace.stats.held_tokens = start
     return logits.argmax(-1, keepdim=True)
 
 

@@ -17,6 +17,7 @@ tokenizer's chat template); `turn_ends` are the positions the cache held after e
 from __future__ import annotations
 
 import operator
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ import torch
 from .arch import context_budget, logits_width, max_prompt_tokens
 from .cache import LynxCache
 from .config import LynxQuantConfig, SpecConfig
-from .trace import DictReads
+from .trace import DictReads, Stats
 
 
 @dataclass
@@ -45,7 +46,7 @@ class TurnResult(DictReads):
     ttft_verified_s: float | None
     tt32t_s: float | None
     prefill_s: float | None      # the prefill side's compute time
-    stats: dict                  # lynx_hf.trace.Stats, as a dict
+    stats: Stats                 # what the engine did (lynx_hf.trace.Stats; reads like a dict too)
     events: list                 # stream arrivals (Trace.events)
     timeline: list               # the decode side's tokens (Trace.timeline)
     bytes: int                   # encoded bytes received, both streams
@@ -60,12 +61,13 @@ class TurnResult(DictReads):
 
     @classmethod
     def of(cls, tokens, t0, cache, held, prefix_hit, loader, max_new: int, clipped: bool,
-           prefilled_on: str = "prefill") -> "TurnResult":
+           prefilled_on: str = "prefill", refused: str | None = None) -> "TurnResult":
         gen, ver = cache.trace.times("draft", "verified"), cache.trace.times("verified")
         error = getattr(loader, "error", None)
         reason = ("context" if clipped else "length") if len(tokens) == max_new else "stop"
         return cls(tokens, t0, cache, held, prefix_hit, gen[0], ver[0], ver[min(32, len(ver)) - 1],
-                   getattr(loader, "prefill_s", None), cache.stats.as_dict(), list(cache.trace.events),
+                   getattr(loader, "prefill_s", None), dataclasses.replace(cache.stats, held_refused=refused),
+                   list(cache.trace.events),
                    list(cache.trace.timeline), cache.nbytes(), cache.nbytes("anchor"), cache.nbytes("staged"),
                    getattr(loader, "cancelled", False), getattr(loader, "dropped", 0), getattr(loader, "placed", 0),
                    None if error is None else str(error), reason, prefilled_on)
@@ -117,15 +119,17 @@ class Placement:
             self.local_s_per_token = seconds / new_tokens
 
 
-def decode_turn(model, ids: torch.Tensor, cache: LynxCache, spec: SpecConfig, max_new: int, gen_kwargs: dict):
+def decode_turn(model, ids: torch.Tensor, cache: LynxCache, spec: SpecConfig, max_new: int, gen_kwargs: dict,
+                t0: float):
     """The decode side's generate of one turn on `cache`, for every link: a `streamer=` is handed to
-    speculative_generate as its `lynx_streamer` (Transformers would keep a streamer= itself), greedy by default."""
+    speculative_generate as its `lynx_streamer` (Transformers would keep a streamer= itself), greedy by default;
+    every time counts from `t0`, the turn's start."""
     from .engine import speculative_generate
 
     if "streamer" in gen_kwargs and "lynx_streamer" not in gen_kwargs:
         gen_kwargs = {**gen_kwargs, "lynx_streamer": gen_kwargs["streamer"]}
         del gen_kwargs["streamer"]
-    return model.generate(ids, cache=cache, custom_generate=speculative_generate, spec_config=spec,
+    return model.generate(ids, cache=cache, custom_generate=speculative_generate, spec_config=spec, t0=t0,
                           max_new_tokens=max_new, **{"do_sample": False, **gen_kwargs})
 
 
@@ -185,9 +189,9 @@ class LocalLink:
             else:  # the turn runs on a branch: whatever fails, `cache` stays as it was
                 cache = cache.fork()
                 local.add_turn(self.model, cache, ids, self.residual_after_steps, self.bandwidth_bps)
-                held = cache.trace.stats.held_tokens
-            cache.trace.t0, loader = t0, cache.loader
-            out = decode_turn(self.model, ids, cache, spec, max_new, gen_kwargs)
+                held = cache.stats.held_tokens
+            loader = cache.loader
+            out = decode_turn(self.model, ids, cache, spec, max_new, gen_kwargs, t0)
             if not keep:
                 cache.close()  # an early stop ends the simulated link
         tokens = out[0, ids.shape[1]:].tolist()

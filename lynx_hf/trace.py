@@ -1,7 +1,7 @@
 """Typed telemetry of one request: `Stats` (what the engine did) and `Trace` (when things happened: stream arrivals,
 the decode-side timeline, the residual's expected arrival). One clock: every `*_s` figure counts from `Trace.t0`,
-the request's start — set by whoever starts the request (a `DecodeClient` when it sends it), else by
-`speculative_generate` when it starts. Written by the cache (arrivals) and the engine (tokens); read by anyone."""
+the request's start — given to `speculative_generate(t0=)` by whoever starts the request (a `DecodeClient` when it
+sends it), else the moment it starts. Written by the cache (arrivals) and the engine (tokens); read by anyone."""
 from __future__ import annotations
 
 import dataclasses
@@ -71,9 +71,11 @@ class Trace:
         self._res_n = 0
         self._res_first = self._res_last = 0.0
 
-    def start(self) -> float:
-        """The request's start: t0 if the request's owner set it, else now."""
-        if self.t0 is None:
+    def start(self, t0: float | None = None) -> float:
+        """The request's start: `t0` (when its owner started it: a client sending the request), else now."""
+        if t0 is not None:
+            self.t0 = t0
+        elif self.t0 is None:
             self.t0 = time.perf_counter()
         return self.t0
 

@@ -61,7 +61,7 @@ def test_identity_codec_equals_plain_generate_under_every_option(arch):
         got, cache = lynx(model, ids, Q(method="identity"), 0, **opt)
         assert got.tolist() == plain.tolist(), (arch, name)
     if ARCHS[arch][1]:  # the sliding layers hold only their window's positions
-        assert {l.held for l in cache.layers if l.is_sliding} == {8}
+        assert {l.window for l in cache.layers if l.is_sliding} == {8}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -180,9 +180,9 @@ def test_ragged_batch_with_left_padding_and_sliding_windows(arch, tree):
     runs = {}
     for after in (0, 8):
         cache, _ = LynxCache.from_prefill(model, ids, Q(anchor="paper"), residual_after_steps=after,
-                                          attention_mask=mask, spec_config=spec)
+                                          attention_mask=mask)
         out = model.generate(ids, attention_mask=mask, cache=cache, custom_generate=lynx_hf.speculative_generate,
-                             max_new_tokens=N, do_sample=False)
+                             spec_config=spec, max_new_tokens=N, do_sample=False)
         runs[after] = (out.tolist(), cache.stats["accepted_per_row"])
     assert runs[8][0] == runs[0][0]
     assert len(set(runs[8][1])) > 1, runs[8][1]  # the rows really accepted different numbers of drafts

@@ -114,7 +114,7 @@ def test_sliding_layer_holds_its_window_and_says_so_in_the_mask_sizes():
             (torch.randn(1, 3, 16, 16), torch.randn(1, 3, 16, 16))]  # layer 1: sliding window 16 → last 16 positions
     cache = LynxCache(2, 70, Q(method="identity"), sliding_windows=[None, 16])
     full, sliding = cache.layers
-    assert (sliding.held, sliding.offset, sliding.is_sliding) == (16, 54, True) and full.offset == 0
+    assert (sliding.window, sliding.offset, sliding.is_sliding) == (16, 54, True) and full.offset == 0
     # before the first forward the prompt's last position is left for generate() to re-run
     assert cache.get_seq_length() == 69 and cache.get_mask_sizes(1, 1) == (16, 54) and cache.get_mask_sizes(1, 0) == (70, 0)
     with pytest.raises(ValueError, match=r"outside the layer's prompt KV \[54, 70\)"):
@@ -281,3 +281,12 @@ def test_batch_maps_refuse_while_the_residual_streams():
     cache.set_tier("anchor")
     with pytest.raises(ValueError, match="residual is still streaming"):
         cache.batch_select_indices(torch.tensor([0]))
+
+
+def test_drafting_settings_belong_to_the_generate_call_not_the_cache():
+    """The cache stores; speculative_generate is told its settings: the old keyword is refused with the new place."""
+    from lynx_hf import SpecConfig
+
+    with pytest.raises(TypeError, match=r"generate\(.*spec_config=SpecConfig"):
+        LynxCache(1, 8, spec_config=SpecConfig())
+    assert not hasattr(LynxCache(1, 8), "spec_config")

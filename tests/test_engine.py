@@ -63,7 +63,7 @@ def generate(full, anchor, after, max_new, eos=None, streamer=None, loader=InPro
              do_sample=False):
     B = len(full)
     model = model or ScriptedLM(full, anchor)
-    cache = LynxCache(1, P, Q(), spec_config=spec, timeout_s=5)
+    cache = LynxCache(1, P, Q(), timeout_s=5)
     g = torch.Generator().manual_seed(0)
     loader([(torch.randn(B, 1, P, 2, generator=g), torch.randn(B, 1, P, 2, generator=g))], Q(),
            residual_after_steps=after).attach(cache)
@@ -72,7 +72,8 @@ def generate(full, anchor, after, max_new, eos=None, streamer=None, loader=InPro
     gc._pad_token_tensor = torch.tensor(PAD)
     sc = StoppingCriteriaList([MaxLengthCriteria(P + max_new)] + ([EosTokenCriteria(eos)] if eos is not None else []))
     ids = torch.full((B, P), 5)
-    out = speculative_generate(model, ids, LogitsProcessorList(), sc, gc, cache=cache, lynx_streamer=streamer)
+    out = speculative_generate(model, ids, LogitsProcessorList(), sc, gc, cache=cache, lynx_streamer=streamer,
+                               spec_config=spec)
     return out[:, P:].tolist(), cache.stats, model
 
 

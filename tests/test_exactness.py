@@ -79,9 +79,9 @@ def lynx(model, ids, spec=None, after=6, mask=None, prefill_mask=None, **kw):
     """Lynx with drafts on a noisy anchor (residual after `after` draft steps), verified on the exact KV."""
     with noisy_anchor():
         cache, _ = LynxCache.from_prefill(model, ids, Q(method="identity"), residual_after_steps=after,
-                                          spec_config=spec, attention_mask=prefill_mask)
+                                          attention_mask=prefill_mask)
         out = model.generate(ids, attention_mask=mask, cache=cache, custom_generate=lynx_hf.speculative_generate,
-                             **{"max_new_tokens": N, "do_sample": False, **kw})
+                             spec_config=spec, **{"max_new_tokens": N, "do_sample": False, **kw})
     return out, cache
 
 

@@ -210,8 +210,8 @@ def test_tree_drafts_are_kept_where_the_chain_loses_them(model_and_tok, eval_pro
         kv, logits = prefill(model, ids)
         outs = {}
         for name, spec in runs.items():
-            cache = LynxCache.from_kv(model, ids.shape[1], kv, logits, Q(), residual_after_steps=31, spec_config=spec)
-            outs[name] = model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate,
+            cache = LynxCache.from_kv(model, ids.shape[1], kv, logits, Q(), residual_after_steps=31)
+            outs[name] = model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate, spec_config=spec,
                                         max_new_tokens=33, do_sample=False).tolist()
             accepted[name].append(cache.stats["accepted"])
             assert cache.stats["drafted"] == 31

@@ -134,9 +134,8 @@ def test_residual_eta_extrapolates_the_arrival_interval(monkeypatch):
 
 def test_draft_policy_stops_when_the_residual_is_due_within_the_lead():
     state = {"ready": False, "eta": None}
-    cache = SimpleNamespace(residual_ready=lambda: state["ready"], residual_eta=lambda: state["eta"],
-                            spec_config=SpecConfig(verify_lead=2.0))
-    p = DraftPolicy(cache, cache.spec_config.verify_lead)  # the settings are passed in
+    cache = SimpleNamespace(residual_ready=lambda: state["ready"], residual_eta=lambda: state["eta"])
+    p = DraftPolicy(cache, SpecConfig(verify_lead=2.0).verify_lead)  # the settings are passed in
     assert p.another_step()  # nothing known yet
     p.stepped(0.1)
     p.stepped(0.3)
@@ -152,9 +151,8 @@ def test_draft_policy_stops_when_the_residual_is_due_within_the_lead():
 def test_draft_policy_prices_a_step_by_its_frontier():
     """Step cost = a + b·nodes, fitted to the steps timed: a wide frontier that would end past the residual's due
     time is not started while a one-node step still is."""
-    cache = SimpleNamespace(residual_ready=lambda: False, residual_eta=lambda: 0.09,
-                            spec_config=SpecConfig(verify_lead=1.0))
-    p = DraftPolicy(cache, cache.spec_config.verify_lead)  # the settings are passed in
+    cache = SimpleNamespace(residual_ready=lambda: False, residual_eta=lambda: 0.09)
+    p = DraftPolicy(cache, SpecConfig(verify_lead=1.0).verify_lead)  # the settings are passed in
     for nodes, t in ((1, 0.060), (8, 0.102), (2, 0.066), (8, 0.098)):
         p.stepped(t, nodes)
     assert p.step_s(1) == pytest.approx(0.06, abs=0.004) and p.step_s(8) == pytest.approx(0.10, abs=0.004)

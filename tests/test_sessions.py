@@ -181,13 +181,12 @@ def test_a_streamed_turn_with_drafts_equals_it_without(name, after):
     with noisy_anchor():
         for steps in (0, 64):
             spec = SpecConfig(max_draft_steps=steps)
-            cache, _ = LynxCache.from_prefill(m, turns[0], quant_config=IDENT, residual_after_steps=after,
-                                              spec_config=spec)
-            o, res = m.generate(turns[0], cache=cache, **SPEC, max_new_tokens=10, do_sample=False), []
+            cache, _ = LynxCache.from_prefill(m, turns[0], quant_config=IDENT, residual_after_steps=after)
+            o, res = m.generate(turns[0], cache=cache, **SPEC, spec_config=spec, max_new_tokens=10, do_sample=False), []
             for new in turns[1:]:
                 ids = torch.cat([o, new], 1)
                 cache.add_turn(m, ids, residual_after_steps=after)
-                o = m.generate(ids, cache=cache, **SPEC, max_new_tokens=10, do_sample=False)
+                o = m.generate(ids, cache=cache, **SPEC, spec_config=spec, max_new_tokens=10, do_sample=False)
                 res.append((o.tolist(), cache.stats.drafted, cache.stats.held_tokens))
             outs[steps] = res
     assert [r[0] for r in outs[0]] == [r[0] for r in outs[64]]

@@ -189,15 +189,20 @@ class Conversation:
             l.crop_to(length)
         self.tokens = self.tokens[:, :length].clone()
 
-    def begin_range(self, input_ids: torch.Tensor, extend=None) -> None:
+    def begin_range(self, input_ids: torch.Tensor, extend=None, quant_config=None) -> None:
         """After `continue_turn`: `input_ids` [1, L] become the cache's prompt, positions [start, L) new — to arrive
-        through a loader (extend None) or appended here in full precision (extend: the layers' `append_sealed`)."""
+        through a loader (extend None; encoded with `quant_config`, default the cache's) or appended here in full
+        precision (extend: the layers' `append_sealed`). The turn's stats start with `held_tokens` = start."""
         cache, L = self.cache, input_ids.shape[1]
+        start = cache.layers[0].end
+        if quant_config is not None:
+            cache.quant_config = quant_config
         for l in cache.layers:
             l.append_sealed(L) if extend else l.begin_range(L)
         cache.prompt_len, cache.prefill_logits, cache._error = L, None, None
         cache._pending_full = [False] * len(cache.layers)
         cache.trace = Trace()
+        cache.trace.stats.held_tokens = start
         self.expect_prompt(input_ids)
         self.phase = "fresh"
 

@@ -21,6 +21,7 @@ from .store import KINDS, PromptStore
 class LynxLayer(CacheLayerMixin):
     """Prompt positions [offset, P) from the streams, then the decode-side tail."""
 
+    is_compileable = False  # shapes grow as the prompt lands (and the Cache is compileable only if its layers are)
     is_croppable = True
     supports_early_init = False
 
@@ -28,8 +29,8 @@ class LynxLayer(CacheLayerMixin):
         super().__init__()
         self.prompt_len, self.sliding_window = prompt_len, sliding_window
         self.is_sliding = sliding_window is not None
-        self.held = window_positions(prompt_len, sliding_window)
-        self.offset = prompt_len - self.held  # absolute position of keys[..., 0, :]
+        self.window = window_positions(prompt_len, sliding_window)
+        self.offset = prompt_len - self.window  # absolute position of keys[..., 0, :]
         self.store = PromptStore(prompt_len, self.offset, torch.device(device))
         self.tier = None
         self.rerun = 0  # leading positions of the next update that the layer already holds (plain generate())
@@ -42,7 +43,7 @@ class LynxLayer(CacheLayerMixin):
         if not self.is_initialized or self.tier != "full":
             raise RuntimeError("seal() needs the full tier materialised")
         self.store = PromptStore(self.end, self.end, self.store.device)  # empty: complete
-        self.prompt_len, self.held, self.sealed = self.end, self.keys.shape[-2], True
+        self.prompt_len, self.window, self.sealed = self.end, self.keys.shape[-2], True
 
     @property
     def end(self) -> int:
@@ -61,7 +62,7 @@ class LynxLayer(CacheLayerMixin):
         self.keys = self.values = None
         self.is_initialized, self.tier, self.sealed = False, None, False
         self.offset, self.prompt_len = first, prompt_len
-        self.held = prompt_len - first
+        self.window = prompt_len - first
         self.store = PromptStore(prompt_len, max(first, base), self.store.device)
 
     def append_sealed(self, prompt_len: int) -> None:
@@ -81,7 +82,7 @@ class LynxLayer(CacheLayerMixin):
                              f"[{need}, {self.offset}) (build a new LynxCache from the prefill)")
         keep = length - self.offset
         self.keys, self.values = self.keys[..., :keep, :], self.values[..., :keep, :]
-        self.prompt_len, self.held = length, keep
+        self.prompt_len, self.window = length, keep
         self.store = PromptStore(length, length, self.store.device)
 
     # -- tiers (the caller holds no lock: the snapshot was taken under it) ----------------------------------------
@@ -91,8 +92,8 @@ class LynxLayer(CacheLayerMixin):
         if not self.is_initialized:
             like = {k: snapshot[k][0][1].shape for k in ("key", "value")} if snapshot["key"] else \
                 {"key": self.prefix[0].shape, "value": self.prefix[1].shape}
-            shape = lambda kind: (*like[kind][:2], self.held, like[kind][3])
-            self.keys = torch.empty(shape("key"), dtype=dtype, device=device)      # keys: [B, H_kv, held, D]
+            shape = lambda kind: (*like[kind][:2], self.window, like[kind][3])
+            self.keys = torch.empty(shape("key"), dtype=dtype, device=device)      # keys: [B, H_kv, window, D]
             self.values = torch.empty(shape("value"), dtype=dtype, device=device)
             self.device, self.dtype = self.keys.device, dtype
             self.is_initialized = True
@@ -148,7 +149,7 @@ class LynxLayer(CacheLayerMixin):
         if tokens_to_remove == 0 or not self.is_initialized:
             return
         keep = self.keys.shape[-2] + tokens_to_remove
-        if keep < self.held:
+        if keep < self.window:
             raise ValueError(f"cannot crop into the transferred prompt ({self.prompt_len} tokens) to "
                              f"{self.offset + keep}")
         self.keys = self.keys[..., :keep, :]
@@ -158,7 +159,7 @@ class LynxLayer(CacheLayerMixin):
         """Keep the absolute positions before `start`, then per row the positions start + index[b] ([B, k]), in that
         order; drop the rest (a verified tree path's KV, gathered in place)."""
         s = start - self.offset
-        if s < self.held or s > self.keys.shape[-2]:
+        if s < self.window or s > self.keys.shape[-2]:
             raise ValueError(f"keep_tail start {start} outside the decode-side tail")
         i = index.to(self.keys.device)[:, None, :, None]                       # [B, 1, k, 1]
 
@@ -171,7 +172,7 @@ class LynxLayer(CacheLayerMixin):
     def reset(self) -> None:
         """Drop the decode-side tail; the transferred prompt stays."""
         if self.is_initialized:
-            self.crop(self.held - self.keys.shape[-2])
+            self.crop(self.window - self.keys.shape[-2])
 
     def select(self, fn) -> None:
         """Apply a batch-dimension map to the codes and the materialised KV (LynxCache holds its lock)."""

@@ -16,8 +16,8 @@ Two ways to decode from it:
 What the cache has been asked to serve — the prompt, the conversation it holds after a generation, a turn that
 continues it, `copy.deepcopy` / `fork` branches — is its `Conversation` (`cache.conversation`). The constructors that
 prefill in this process (`from_prefill`, `from_kv`, `add_turn`) are lynx_hf.local's, reached through PREFILL_SIDE.
-Settings it carries: `quant_config` (the codec the prefill side encodes with) and `spec_config` (the drafting
-settings speculative_generate uses unless it is given its own).
+What it records of its data: `quant_config` (the codec its stored ranges are encoded with). The drafting settings
+are the generate call's (`spec_config=`), never the cache's.
 
 Memory bound during decode, per layer: packed codes and metadata (≈ 8.5 bits/value of the held prompt, both
 streams), one dequantized prompt in the model dtype ([B, H_kv, S_held, D] for K and for V; the full tier is decoded
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
-from ..config import LynxQuantConfig, SpecConfig
+from ..config import LynxQuantConfig
 from ..loader import LoaderError
 from ..quant import SplitKV
 from ..trace import Trace
@@ -55,9 +55,10 @@ class LynxCache(Cache):
     """Cache for a transferred prompt of `prompt_len` tokens: one LynxLayer per decoder layer, sliding where
     `sliding_windows[i]` is a window (see `arch.layer_windows`, which reads them from a model's config)."""
 
-    def __init__(self, num_layers: int, prompt_len: int, quant_config: LynxQuantConfig | None = None,
-                 spec_config: SpecConfig | None = None, dtype: torch.dtype = torch.float32, device="cpu",
-                 timeout_s: float = 120.0, sliding_windows: list[int | None] | None = None):
+    def __init__(self, num_layers: int, prompt_len: int, quant_config: LynxQuantConfig | None = None, *,
+                 dtype: torch.dtype = torch.float32, device="cpu", timeout_s: float = 120.0,
+                 sliding_windows: list[int | None] | None = None, spec_config=None):
+        refuse_spec_config(spec_config)
         if num_layers < 1 or prompt_len < 1:
             raise ValueError(f"LynxCache needs num_layers >= 1 and prompt_len >= 1, got {num_layers}, {prompt_len}")
         windows = list(sliding_windows) if sliding_windows is not None else [None] * num_layers
@@ -67,7 +68,6 @@ class LynxCache(Cache):
         super().__init__(layers=[LynxLayer(prompt_len, w, device) for w in windows])
         self.prompt_len = prompt_len
         self.quant_config = quant_config or LynxQuantConfig()  # what the prefill side encodes with
-        self.spec_config = spec_config or SpecConfig()  # speculative_generate's default drafting settings
         self.dtype, self.device, self.timeout_s = dtype, device, timeout_s
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -314,10 +314,6 @@ class LynxCache(Cache):
     def batch_repeat_interleave(self, repeats: int):
         _batch_map(self, "batch_repeat_interleave", repeats, lambda t: t.repeat_interleave(repeats, dim=0))
 
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
     # -- the conversation ---------------------------------------------------------------------------------------------
     @property
     def held_ids(self) -> torch.Tensor | None:
@@ -334,6 +330,13 @@ class LynxCache(Cache):
         turn on the branch — successful or failed half-way — leaves this cache as it was. What a network
         conversation's turn runs on."""
         return self.conversation.branch({}, "LynxCache.fork()", share=True)
+
+
+def refuse_spec_config(spec_config) -> None:
+    """The drafting settings moved from the cache to the generate call (0.1: the cache stores, the engine is told)."""
+    if spec_config is not None:
+        raise TypeError("spec_config is a setting of the generate call, not of the cache: pass it to "
+                        "model.generate(..., custom_generate=lynx_hf.speculative_generate, spec_config=SpecConfig(...))")
 
 
 PREFILL_SIDE: dict = {}  # "from_prefill", "from_kv", "add_turn": registered by lynx_hf.local (above this package)

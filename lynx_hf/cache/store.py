@@ -28,7 +28,7 @@ class PromptStore:
 
     def __init__(self, prompt_len: int, offset: int, device: torch.device):
         self.prompt_len, self.offset, self.device = prompt_len, offset, device
-        self.held = prompt_len - offset
+        self.window = prompt_len - offset
         self.segments = {k: {} for k in KINDS}  # kind -> {start: SplitKV}
         self._starts = {k: [] for k in KINDS}   # kind -> sorted segment starts
         self._tokens = {k: 0 for k in KINDS}    # kind -> prompt positions covered by anchors
@@ -79,7 +79,7 @@ class PromptStore:
         return self._tokens[kind]
 
     def anchors_complete(self) -> bool:
-        return all(self._tokens[k] == self.held for k in KINDS)
+        return all(self._tokens[k] == self.window for k in KINDS)
 
     def residual_complete(self) -> bool:
         return self.anchors_complete() and self.missing == 0

@@ -57,7 +57,7 @@ class _Streams:
 
 def speculative_generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
                          synced_gpus: bool = False, streamer=None, lynx_streamer=None, spec_config=None,
-                         stop_strings=None, token_healing=None, **model_kwargs):
+                         stop_strings=None, token_healing=None, t0: float | None = None, **model_kwargs):
     """`custom_generate` entry point. input_ids: the prompt whose KV `cache` holds ([B, P]), or the prompt plus the
     prefill's first token ([B, P + 1]), or a conversation that extends what the cache holds. Every logits processor
     and stopping criterion applies to the first token, to drafts and to verified tokens alike. Streaming: pass
@@ -66,7 +66,8 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
     generation ends (an error included), so a `TextIteratorStreamer` consumer's loop always ends. Transformers 5.x
     hands a callable custom_generate only its own extra parameters: a `streamer=` given to `generate` stays with
     Transformers, which gives it the prompt and nothing more (README, "Streaming"); an `assistant_model=` is dropped
-    there too. Drafting settings: `spec_config=` (a SpecConfig; default: the cache's). For the same
+    there too. Drafting settings: `spec_config=` (a SpecConfig; default SpecConfig()); `t0=`: the request's
+    start (time.perf_counter(); default: now), from which `cache.stats`' times count. For the same
     reason `tokenizer=` never reaches a callable, so `stop_strings` (declared here, so that generate does not fail
     first) is refused with the way out: `stopping_criteria=[StopStringCriteria(tokenizer, stops)]`, which stops at
     the same tokens (the Hub folder's `generate` builds it for you). Whatever cannot equal plain `generate` stops
@@ -78,16 +79,18 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
     padded row did not run are −inf but 0 at the pad token (plain generate runs those rows on: README)."""
     if spec_config is not None and not isinstance(spec_config, SpecConfig):
         raise TypeError(f"spec_config must be a lynx_hf.SpecConfig, got {type(spec_config).__name__}")
+    if t0 is not None and not isinstance(t0, float):
+        raise TypeError(f"t0 must be a time.perf_counter() float, got {type(t0).__name__}")
     streams = _Streams(streamer, lynx_streamer)
     try:
         return _generate(model, input_ids, logits_processor, stopping_criteria, generation_config, streams,
-                         spec_config, stop_strings, token_healing, model_kwargs)
+                         spec_config, stop_strings, token_healing, model_kwargs, t0)
     finally:
         streams.end()
 
 
 def _generate(model, input_ids, logits_processor, stopping_criteria, gc, streams: _Streams, spec, stop_strings,
-              token_healing, model_kwargs):
+              token_healing, model_kwargs, t0):
     cache = model_kwargs.get("cache")
     if not isinstance(cache, LynxCache):
         raise ValueError("speculative_generate needs cache=LynxCache(...) (e.g. from LynxCache.from_prefill)")
@@ -95,13 +98,13 @@ def _generate(model, input_ids, logits_processor, stopping_criteria, gc, streams
     conv.listening = False  # generate marked the cache as given to it; this call takes it (no plain forward)
     with conv.claim(holder="generate"):  # until it returns: a copy or fork of the cache, or another generate on it, is refused
         return _generate_claimed(model, input_ids, logits_processor, stopping_criteria, gc, streams, spec,
-                                 stop_strings, token_healing, model_kwargs, cache)
+                                 stop_strings, token_healing, model_kwargs, cache, t0)
 
 
 def _generate_claimed(model, input_ids, logits_processor, stopping_criteria, gc, streams: _Streams, spec,
-                      stop_strings, token_healing, model_kwargs, cache):
+                      stop_strings, token_healing, model_kwargs, cache, t0):
     conv = cache.conversation
-    spec = spec or cache.spec_config
+    spec = spec or SpecConfig()
     if (gc.num_beams or 1) > 1 or (gc.num_return_sequences or 1) > 1:
         raise ValueError("speculative_generate decodes one sequence per prompt row: num_beams > 1 and "
                          "num_return_sequences > 1 are not supported")
@@ -129,7 +132,7 @@ def _generate_claimed(model, input_ids, logits_processor, stopping_criteria, gc,
         (P if mask is None else int(mask[:, :P].sum(-1).max())) + max_length - P - 1
     refuse_model(model, max_pos)
     conv.start_generate(cache._pinned)
-    cache.trace.start()
+    cache.trace.start(t0)
     s = DecodeState(model, input_ids, cache, mask, logits_processor, stopping_criteria, gc,
                     streams if streams.all else None, spec)
     plan = drafting(model, logits_processor, stopping_criteria, s.do_sample, max_pos)

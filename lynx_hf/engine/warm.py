@@ -34,11 +34,11 @@ def warm_up(model, tokens: int = 16) -> float:
         honours_tree_inputs(model)
         V = int(model.config.get_text_config().vocab_size)
         ids = torch.arange(tokens, device=next(model.parameters()).device)[None] % max(1, V - 3) + 3
-        cache, _ = LynxCache.from_prefill(model, ids, quant_config=LynxQuantConfig(), residual_after_steps=2,
-                                          spec_config=SpecConfig(max_draft_steps=4))
+        cache, _ = LynxCache.from_prefill(model, ids, quant_config=LynxQuantConfig(), residual_after_steps=2)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model.generate(ids, cache=cache, custom_generate=speculative_generate, max_new_tokens=6, do_sample=False,
+            model.generate(ids, cache=cache, custom_generate=speculative_generate,
+                           spec_config=SpecConfig(max_draft_steps=4), max_new_tokens=6, do_sample=False,
                            eos_token_id=None, pad_token_id=0)
     except (ValueError, RuntimeError):  # an architecture or option Lynx refuses: nothing to warm
         pass

@@ -247,19 +247,15 @@ class DecodeClient:
             return self._turn_here(ids, max_new, clipped, spec, cache, held, gen_kwargs)
         t0, p, rid, arena = self._request(ids, cfg, held)
         if p["start"] == held and cache is not None:  # the new range, behind what the cache holds
-            cache.quant_config = cfg
-            cache.conversation.begin_range(ids)
-            cache.trace.stats.held_tokens = held
+            cache.conversation.begin_range(ids, quant_config=cfg)
         else:  # a first turn, or a refused claim: the whole prompt into a new cache
             # waits are bounded by the loader's per-frame timeout (a silent peer fails the cache), not by the cache's
             cache = LynxCache(p["num_layers"], p["prompt_len"], cfg, dtype=DTYPES[p["dtype"]], device=ids.device,
                               timeout_s=self.timeout + 600, sliding_windows=p["windows"]).bind(self.model)
             cache.conversation.expect_prompt(ids)
-            cache.trace.stats.held_refused = p.get("refused")
-        cache.trace.t0 = t0  # one clock: every figure of this request counts from sending it
         loader = NetworkLoader(self.ch, p, rid, self.timeout, arena).attach(cache)
         try:
-            out = decode_turn(self.model, ids, cache, spec, max_new, gen_kwargs)
+            out = decode_turn(self.model, ids, cache, spec, max_new, gen_kwargs, t0)  # one clock: from sending it
         except BaseException as e:
             if not (isinstance(e, Exception) and self._settle(cache, loader, cancel=True)):
                 self._broken = e  # interrupted, or the stream did not end cleanly: the connection's state is unknown
@@ -268,7 +264,7 @@ class DecodeClient:
         ttft = cache.trace.times("draft", "verified")
         self.placement.observe("prefill", ids.shape[1] - p["start"], ttft[0] if ttft else None)
         return TurnResult.of(out[0, ids.shape[1]:].tolist(), t0, cache, held, p.get("prefix_hit"), loader, max_new,
-                             clipped)
+                             clipped, refused=p.get("refused"))
 
     def _turn_here(self, ids, max_new, clipped, spec, cache, held, gen_kwargs) -> TurnResult:
         """A continued turn whose new positions [held, L) are computed here, in full precision: nothing crosses
@@ -276,9 +272,7 @@ class DecodeClient:
         t0 = time.perf_counter()
         extend_here(self.model, cache, ids, held)
         self.placement.observe("decode", ids.shape[1] - held, time.perf_counter() - t0)
-        cache.trace.t0 = t0
-        cache.trace.stats.held_tokens = held
-        out = decode_turn(self.model, ids, cache, spec, max_new, gen_kwargs)
+        out = decode_turn(self.model, ids, cache, spec, max_new, gen_kwargs, t0)
         return TurnResult.of(out[0, ids.shape[1]:].tolist(), t0, cache, held, None, None, max_new, clipped, "decode")
 
     @torch.no_grad()
