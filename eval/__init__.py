@@ -6,8 +6,8 @@ Library modules (no command of their own; the scripts and tests import them):
     kv_modes       the KV modes under evaluation and how a prompt's KV reaches the model in each
     kvprobe        teacher-forced KV quality probe
     lm_eval_model  the `lynx` model of lm-eval and `lynx-hf eval`; tasks/, metrics/: lm-eval's task and metric folders
-Scripts (a `lynx-hf` subcommand or `python -m lynx_hf.eval.NAME`): bench_codec, bench_kernels, bench_transfer,
-bench_session, bench_startup, bench_server_memory (each registers its `lynx-hf bench` subcommand: `register`),
+Scripts (a `lynx-hf` subcommand or `python -m lynx_hf.eval.NAME`): bench_codec, bench_exact, bench_kernels,
+bench_transfer, bench_session, bench_startup, bench_server_memory (each registers its `lynx-hf bench` subcommand: `register`),
 acceptance, calibrate, card, codec_quality, demo, results, ruler, simulate, half_precision, roofline, dist_pair.
 
 Uses lynx_hf's public API — the names in `lynx_hf.__all__` (the `quant` module among them), the exceptions of

@@ -3,7 +3,10 @@ tool output (Python standard-library source, 500–800 tokens) and the assistant
 history re-shipped every turn ("whole"), only the turn's new positions ("delta": the decode side keeps the
 conversation's LynxCache and the prefill side its prefix cache), or ("lynx/auto") each turn's new positions
 computed where `session.Placement` expects the first token sooner, the prefill node or this one (conditional
-disaggregation; the row's `prefilled_on` says where).
+disaggregation; the row's `prefilled_on` says where), or ("lynx-exact/delta") in exact mode: the first turn's KV
+bit for bit (its correction stream behind the residual), later turns' new positions computed here over the held KV,
+as exact mode does. The server runs with --prefill-step 4096, so that exact mode's first turn (one forward pass over
+the prompt) is served.
 
 The conversation: a system prompt of ~1K tokens describing tools (their standard-library docstrings), then per turn a
 tool message and the assistant's reply of `--new-tokens` tokens (at least 32: TT32T). Every arm runs its own copy of
@@ -36,9 +39,9 @@ OUT = "runs/bench_session"
 
 CODECS = {"bf16": LynxQuantConfig(method="bf16"), "int8": LynxQuantConfig(method="int8"),
           "int4": LynxQuantConfig(method="kivi4"), "cachegen": LynxQuantConfig(method="cachegen"),
-          "lynx": LynxQuantConfig()}
+          "lynx": LynxQuantConfig(), "lynx-exact": LynxQuantConfig(exact=True)}
 WHOLE = ("int8", "int4", "lynx")                        # whole history re-shipped every turn (+ bf16 with --bf16-whole)
-DELTA = ("bf16", "int8", "int4", "cachegen", "lynx")   # only the new positions
+DELTA = ("bf16", "int8", "int4", "cachegen", "lynx", "lynx-exact")  # only the new positions (exact: turns 2+ here)
 TOOLS = ("shutil.copytree", "shutil.rmtree", "shutil.which", "subprocess.run", "os.walk", "os.makedirs",
          "glob.glob", "fnmatch.fnmatch", "json.loads", "re.sub", "difflib.unified_diff", "tempfile.mkstemp")
 SOURCES = ("textwrap", "json.decoder", "argparse", "tokenize", "pathlib", "difflib", "configparser", "csv",
@@ -139,7 +142,7 @@ def run(turns: int = 4, bandwidth_mbps: float = 15.0, new_tokens: int = 32, pref
     msgs = convs[plan[0][0]][1]  # the tool outputs: the same in every arm
     system = convs[plan[0][0]][0]
     arms = {name: [] for name, _, _ in plan}
-    server_args = ("--prefix-cache-mb", "4096" if prefix_cache else "0")
+    server_args = ("--prefix-cache-mb", "4096" if prefix_cache else "0", "--prefill-step", "4096")
     say(f"starting the prefill process (link emulator {bandwidth_mbps:g} Mbit/s, prefix cache "
         f"{'on' if prefix_cache else 'off'}) ...")
     t_start = time.perf_counter()
@@ -159,7 +162,7 @@ def run(turns: int = 4, bandwidth_mbps: float = 15.0, new_tokens: int = 32, pref
                     r = cli.generate(ids, CODECS[c], keep_cache=True, spec_config=SpecConfig(max_draft_steps=64),
                                      **gen)
                 identical = None
-                if c == "lynx" and r["prefilled_on"] == "prefill":  # (computed here: the KV is the model's own)
+                if c.startswith("lynx"):  # every Lynx turn, wherever its new positions were computed
                     ref = no_draft_reference(model, r["cache"], ids, r["tokens"])
                     identical = ref == r["tokens"]
                     r["tokens"] = ref  # the conversation goes on with what the cache now holds
@@ -249,8 +252,7 @@ def _ratios(arms: dict) -> dict:
             "lynx_vs_int8_delta_tt32t": ld["tt32t_s"] / i8["tt32t_s"],
             "bytes_per_token_delta_vs_whole": (ld["wire_bytes"] / ld["new_tokens"]) /
                                               (lw["wire_bytes"] / lw["total_tokens"]),
-            "lynx_identical": all(t["identical"] for k, v in arms.items() if k.startswith("lynx/") for t in v
-                                  if t["identical"] is not None)}  # (None: computed on the decode node, no drafts)
+            "lynx_identical": all(t["identical"] is True for k, v in arms.items() if k.startswith("lynx/") for t in v)}
 
 
 def _table(arms: dict, say) -> None:

@@ -1,7 +1,9 @@
 """`lynx-hf demo`: a prefill process and a decode process on loopback, KV over TCP behind the link emulator.
 
 This process is the decode side; it starts `lynx-hf serve-prefill` as a child process, then sends the same prompt
-with BF16, INT8, INT4 (KIVI-4), CacheGen and Lynx, and a Lynx run with drafting off (the full-tier reference).
+with BF16, INT8, INT4 (KIVI-4), CacheGen, Lynx and Lynx in exact mode, and a Lynx run with drafting off (the full-tier
+reference). "Identical" says what each Lynx row equals: the default Lynx its 8-bit full tier decoded without drafts,
+Lynx (exact) plain `generate` on the model in its dtype (`--dtype`; the prefill process runs the same one).
 CacheGen's encoding runs on the prefill side and its decoding on the decode side, both inside its TTFT. TTFT is
 measured from sending the request (its arrival at the prefill process, on loopback) to the first token the decode process
 emits: the prefill's logits (sent right after the last anchor frame) picked through the decode side's options, so it
@@ -19,7 +21,12 @@ from tqdm import tqdm
 import lynx_hf
 
 # prefill_child and default_prompt_text are the harness's (tests take them from here too)
+from lynx_hf import LynxQuantConfig
+
 from .harness import METHODS, default_prompt_text, final_line, prefill_child, printer, pyplot, save_figure, save_plot
+
+
+EXACT = "Lynx (exact)"
 
 
 def _row(r: dict) -> dict:
@@ -64,16 +71,18 @@ def plot_timeline(runs: dict, path: Path, bandwidth_bps: float, prompt_tokens: i
 
 
 def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_json=False, out_dir="runs",
-        model_name=None, do_sample=False, methods=None, data_plane="tcp", port=None):
-    """methods: {row name: LynxQuantConfig} (default METHODS; it must hold "BF16", "INT8", "INT4 (KIVI-4)", "Lynx")."""
+        model_name=None, do_sample=False, methods=None, data_plane="tcp", port=None, dtype="float32"):
+    """methods: {row name: LynxQuantConfig} (default METHODS and "Lynx (exact)"; it must hold "BF16", "INT8",
+    "INT4 (KIVI-4)", "Lynx")."""
     say = printer(as_json, stderr=True)
-    model, tok = lynx_hf.load_default_model(model_name)
+    model, tok = lynx_hf.load_default_model(model_name, dtype=getattr(torch, dtype))
     text = open(prompt_file, encoding="utf-8", errors="replace").read() if prompt_file else default_prompt_text()
     ids = tok(text).input_ids[:tokens]
     say(f"starting the prefill process (link emulator {bandwidth_bps / 1e6:.1f} Mbit/s, data plane {data_plane}) ...")
     runs = {}
-    with prefill_child(model, bandwidth_bps, ids[:64], model_name, data_plane=data_plane, port=port) as cli:
-        methods = methods or METHODS
+    with prefill_child(model, bandwidth_bps, ids[:64], model_name, data_plane=data_plane, port=port,
+                       server_args=("--dtype", dtype)) as cli:
+        methods = methods or {**METHODS, EXACT: LynxQuantConfig(exact=True)}
         plan = [(n, c, True) for n, c in methods.items()] + [
             ("Lynx (no drafts: full-tier reference)", methods["Lynx"], False)]
         gen = {"do_sample": True, "temperature": 0.7} if do_sample else {}
@@ -83,6 +92,10 @@ def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_jso
     rows = {n: _row(r) for n, r in runs.items()}
     ref = "Lynx (no drafts: full-tier reference)"
     same = runs["Lynx"]["tokens"] == runs[ref]["tokens"] if not do_sample else None  # sampling: same distribution
+    exact = None
+    if EXACT in runs and not do_sample:  # exact mode = plain generate on the model, without Lynx
+        plain = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)
+        exact = runs[EXACT]["tokens"] == plain[0, len(ids):].tolist()
     say(f"\nprompt {len(ids)} tokens; prefill {runs['Lynx']['prefill_s']:.2f} s (overlapped with sending); "
         f"link {bandwidth_bps / 1e6:.1f} Mbit/s")
     say(f"{'method':40s} {'TTFT s':>7s} {'verified':>9s} {'TT32T s':>8s} {'MB':>7s} {'drafted/accepted':>17s}")
@@ -90,7 +103,8 @@ def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_jso
         say(f"{n:40s} {r['ttft_s']:7.2f} {r['ttft_verified_s']:9.2f} {r['tt32t_s']:8.2f} {r['bytes'] / 1e6:7.2f} "
             f"{r['drafted']:>8d}/{r['accepted']:<8g}")
     say(f"TTFT Lynx/INT4 {rows['Lynx']['ttft_s'] / rows['INT4 (KIVI-4)']['ttft_s']:.2f}, "
-        f"Lynx/INT8 {rows['Lynx']['ttft_s'] / rows['INT8']['ttft_s']:.2f}; Lynx identical to 8-bit full-tier decoding: {same}; "
+        f"Lynx/INT8 {rows['Lynx']['ttft_s'] / rows['INT8']['ttft_s']:.2f}; Lynx identical to 8-bit full-tier decoding: {same}"
+        + ("" if exact is None else f"; Lynx (exact) identical to plain generate ({dtype}): {exact}") + "; "
         f"verify pass started {rows['Lynx']['verify_overlap_s'] or 0:.2f} s before the last residual segment landed")
     say("Lynx generated:", repr(tok.decode(runs["Lynx"]["tokens"])))
     link_s = rows["BF16"]["bytes"] * 8 / bandwidth_bps  # BF16's KV on the link alone
@@ -103,6 +117,8 @@ def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_jso
                        for n in rows},
            "lynx": {"drafted": rows["Lynx"]["drafted"], "accepted": rows["Lynx"]["accepted"], "identical_to_full": same,
                     "verify_overlap_s": rows["Lynx"]["verify_overlap_s"]},
+           "exact": None if EXACT not in rows else {"identical_to_plain_generate": exact, "dtype": dtype,
+                                                    "bytes_vs_bf16": rows[EXACT]["bytes"] / rows["BF16"]["bytes"]},
            "do_sample": do_sample, "prefill_bound": prefill_bound, "data_plane": data_plane,
            "placed_segments": runs["Lynx"]["placed_segments"],
            "bandwidth_bps": bandwidth_bps, "prompt_tokens": len(ids), "prefill_s": runs["Lynx"]["prefill_s"]}

@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from lynx_hf.transfer.commands import MODEL_HELP, HelpFormatter
+from lynx_hf.transfer.commands import DTYPE_HELP, DTYPES, MODEL_HELP, HelpFormatter
 
 JSON_HELP = "print only the final JSON line"
 NIXL_EXTRA = "pip install 'lynx-hf[nixl]'"
@@ -63,13 +63,13 @@ def _add_codec_quality(sub) -> None:
 
 def _add_bench(sub) -> None:
     """`lynx-hf bench BENCHMARK`: each benchmark module registers its own subcommand and flags."""
-    from lynx_hf.eval import (bench_codec, bench_kernels, bench_server_memory, bench_session, bench_startup,
-                              bench_transfer)
+    from lynx_hf.eval import (bench_codec, bench_exact, bench_kernels, bench_server_memory, bench_session,
+                              bench_startup, bench_transfer)
 
     b = subcommand(sub, "bench", "benchmarks that print numbers and a final JSON line "
                                  "(`lynx-hf bench BENCHMARK --help`: what one measures, its options)")
     benches = b.add_subparsers(dest="what", required=True, metavar="BENCHMARK", help="what to measure")
-    for m in (bench_codec, bench_kernels, bench_transfer, bench_session, bench_startup, bench_server_memory):
+    for m in (bench_codec, bench_exact, bench_kernels, bench_transfer, bench_session, bench_startup, bench_server_memory):
         m.register(benches)
 
 
@@ -80,7 +80,7 @@ def _demo(a):
 
     plane_or_exit(a)
     demo.run(a.prompt_file, a.tokens, a.bandwidth_mbps * 1e6, a.new_tokens, a.json, a.out, a.model, a.do_sample,
-             data_plane=a.data_plane, port=a.port)
+             data_plane=a.data_plane, port=a.port, dtype=a.dtype)
 
 
 def _add_demo(sub) -> None:
@@ -99,6 +99,7 @@ def _add_demo(sub) -> None:
                    help=f"the segments' bytes over the TCP channel or by NIXL ({NIXL_EXTRA}; pinned to loopback "
                         f"TCP unless $UCX_TLS / $UCX_NET_DEVICES are set)")
     d.add_argument("--port", type=count(65535), help=PORT_HELP)
+    d.add_argument("--dtype", choices=DTYPES, default="float32", help=DTYPE_HELP)
     d.set_defaults(fn=_demo)
 
 

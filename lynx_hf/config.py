@@ -34,6 +34,10 @@ class LynxQuantConfig:
     anchor:     how a 4-bit anchor is reconstructed alone: "center" (its grid point, default), "centroid"
                 (mean of its fine cells) or "paper" (code 16a+7, the published +7 bias).
     group_size: group of the uniform baselines (KIVI: tokens per channel group for keys, channels for values).
+    exact:      "lynx" / "paper" only: a third, lowest-priority stream carries the correction from the 8-bit
+                reconstruction to the KV's own bits (quant/exact.py), so the full tier is the model's KV bit for bit
+                and decoding equals plain `generate` with a DynamicCache in the same dtype. Default False: the full
+                tier is the 8-bit code (INT8-grade: docs/drafting.md gives its KL and agreement with BF16).
     """
 
     method: str = "lynx"
@@ -44,6 +48,7 @@ class LynxQuantConfig:
     value_axis: str = "auto"
     anchor: str = "center"
     group_size: int = 64
+    exact: bool = False
 
     def __post_init__(self):
         def bad(msg):
@@ -64,6 +69,11 @@ class LynxQuantConfig:
                 bad(f"{name} must be an int in [1, 65536], got {v!r}")
         if self.page_size % self.chunk_size:
             bad(f"page_size ({self.page_size}) must be a multiple of chunk_size ({self.chunk_size})")
+        if not isinstance(self.exact, bool):
+            bad(f"exact must be True or False, got {self.exact!r}")
+        if self.exact and self.method not in ("lynx", "paper"):
+            bad(f"exact=True takes method 'lynx' or 'paper' (it corrects their 8-bit code), got {self.method!r}"
+                + (": the identity codec is exact already" if self.method == "identity" else ""))
         if self.method == "paper" and self.anchor != "paper":
             object.__setattr__(self, "anchor", "paper")  # the published scheme has one anchor rule
 
@@ -73,7 +83,11 @@ class LynxQuantConfig:
         return self.key_axis if kind == "key" else self.value_axis
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields (`exact` only when set: a default config's dict, and the digests over it, stay as they were)."""
+        d = dataclasses.asdict(self)
+        if not self.exact:
+            del d["exact"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "LynxQuantConfig":

@@ -131,7 +131,8 @@ def encode_layers(kv, config: LynxQuantConfig):
 
 
 def anchor_only(split):
-    """The anchor-stream view of a SplitKV (what travels first): same codes and metadata, no residual."""
+    """The anchor-stream view of a SplitKV (what travels first): same codes and metadata, no residual (and no
+    correction)."""
     return SplitKV(split.config, split.kind, split.shape, split.dtype, split.anchor, None, split.meta, split.axis)
 
 
@@ -186,26 +187,31 @@ class InProcessLoader(Loader):
         if self._released:
             return
         self._released = True
-        for i, (sk, sv) in enumerate(self.splits):
-            if sk.residual is not None:
-                self.cache.put_residual(i, "key", self.starts[i], sk.residual)
-                self.cache.put_residual(i, "value", self.starts[i], sv.residual)
+        for stream in ("residual", "correction"):
+            for i, (sk, sv) in enumerate(self.splits):
+                if getattr(sk, stream) is not None:
+                    self.cache.put_residual(i, "key", self.starts[i], getattr(sk, stream), stream)
+                    self.cache.put_residual(i, "value", self.starts[i], getattr(sv, stream), stream)
 
     def _link(self):
-        """Anchor of every layer, then residual of every layer, over one link of `bw` bits/s (strict priority)."""
+        """Anchor of every layer, then residual of every layer (then, exact mode, the corrections), over one link of
+        `bw` bits/s (strict priority)."""
         link = LinkEmulator(self.bw, self.latency)
         ready = link.nic.clock()  # every segment is queued from the start: a late thread loses no link time
         try:
-            for stream in ("anchor", "residual"):
+            for stream in ("anchor", "residual", "correction"):
                 for i, (sk, sv) in enumerate(self.splits):
                     for kind, s in (("key", sk), ("value", sv)):
-                        n = s.nbytes("anchor") if stream == "anchor" else s.nbytes("full") - s.nbytes("anchor")
+                        part = None if stream == "anchor" else getattr(s, stream)
+                        if stream != "anchor" and part is None:
+                            continue
+                        n = s.nbytes("anchor") if part is None else part.numel()
                         if link.pace(n, self._stop, ready_at=ready):
                             return
-                        if stream == "anchor":
+                        if part is None:
                             self.cache.put_anchor(i, kind, self.starts[i], anchor_only(s))
-                        elif s.residual is not None:
-                            self.cache.put_residual(i, kind, self.starts[i], s.residual)
+                        else:
+                            self.cache.put_residual(i, kind, self.starts[i], part, stream)
             self._released = True
         except Exception as e:  # surfaced to the decoding thread
             self.cache.fail(e)

@@ -188,14 +188,19 @@ class LocalLink:
                 held = 0
             else:  # the turn runs on a branch: whatever fails, `cache` stays as it was
                 cache = cache.fork()
-                local.add_turn(self.model, cache, ids, self.residual_after_steps, self.bandwidth_bps)
-                held = cache.stats.held_tokens
+                if cfg.exact:  # exact mode: the new positions over the held KV, here, as Transformers' turn does
+                    held = cache.conversation.continue_turn(ids)
+                    local.extend_here(self.model, cache, ids, held)
+                else:
+                    local.add_turn(self.model, cache, ids, self.residual_after_steps, self.bandwidth_bps)
+                    held = cache.stats.held_tokens
             loader = cache.loader
             out = decode_turn(self.model, ids, cache, spec, max_new, gen_kwargs, t0)
             if not keep:
                 cache.close()  # an early stop ends the simulated link
         tokens = out[0, ids.shape[1]:].tolist()
-        return TurnResult.of(tokens, t0, cache, held, None, loader, max_new, max_new < max_new_tokens)
+        return TurnResult.of(tokens, t0, cache, held, None, loader, max_new, max_new < max_new_tokens,
+                             "decode" if held and cfg.exact else "prefill")
 
     def session(self, cache: LynxCache | None = None, tokenizer=None, **defaults) -> "Session":
         return Session(self, cache=cache, tokenizer=tokenizer, **defaults)

@@ -84,10 +84,11 @@ class Trace:
 
     # -- arrivals (the cache, under its lock) ---------------------------------------------------------------------
     def arrived(self, stream: str, layer: int, kind: str, complete: bool = False) -> None:
-        """A segment of `stream` landed; `complete`: it was the residual's last one."""
+        """A segment of `stream` landed; `complete`: it was the last the full tier needed (residual codes and, in
+        exact mode, corrections: both count towards the full tier's arrival)."""
         t = time.perf_counter()
         self.events.append((t, stream, layer, kind))
-        if stream == "residual":
+        if stream in ("residual", "correction"):
             self._res_first = t if self._res_n == 0 else self._res_first
             self._res_last, self._res_n = t, self._res_n + 1
             if complete:

@@ -103,7 +103,7 @@ def test_batch_maps_code_the_rows_again_exactly():
 
 def test_wire_checks_a_coded_segment(tiny):
     s = quant.encode(kv_like(S=40, H=2, D=16), CG, "key", layer=(0, 2))
-    payload = serde.pack_segment(0, "key", 0, s, False)
+    payload = serde.pack_segment(0, "key", 0, s, "anchor")
     layer, kind, axis, start, count, tensors = serde.unpack_segment(payload)
     back = serde.to_split(tensors, CG, kind, axis, (1, 2, count, 16), torch.float32)
     assert torch.equal(quant.dequantize(back), quant.dequantize(s))

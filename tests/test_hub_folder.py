@@ -88,3 +88,10 @@ def test_the_folder_generates_where_lynx_hf_cannot_be_imported(tmp_path):
     assert r["turns"]  # turn 2 on turn 1's returned cache = Transformers' multi-turn pattern
     assert r["drafts"] > 0  # it drafted on the anchor (residual after 3 steps) and verified
     assert "num_beams" in r["beams"] or "beam" in r["beams"], r["beams"]
+
+
+def test_an_exact_config_travels_with_the_folder(tmp_path):
+    """The Hub folder's runtime carries exact mode's correction codec, and its generate takes the exact config."""
+    names = write_custom_generate(tmp_path, LynxQuantConfig(exact=True), 3)
+    assert "lynx_quant_exact.py" in names and "lynx_hf.quant.exact" in runtime_modules()
+    assert "'exact': True" in (tmp_path / "custom_generate" / "generate.py").read_text()

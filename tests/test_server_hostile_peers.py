@@ -544,7 +544,7 @@ def test_serve_decode_answers_every_line_even_one_that_is_not_utf8(tiny, monkeyp
 
     srv = S.PrefillServer(tiny, secret=SECRET).start()
     try:
-        monkeypatch.setattr(lynx_hf, "load_default_model", lambda name=None: (tiny, ByteTokenizer()))
+        monkeypatch.setattr(lynx_hf, "load_default_model", lambda name=None, dtype=None: (tiny, ByteTokenizer()))
         monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"first prompt\n\xff\xfe not text\nthird\n")))
         with pytest.raises(SystemExit) as e:
             main(["serve-decode", "--prefill", "%s:%d" % srv.address, "--secret", SECRET, "--max-new-tokens", "2"])

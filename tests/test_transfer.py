@@ -182,9 +182,9 @@ def _segments():
     from lynx_hf.transfer.serde import pack_segment
 
     s = encode(torch.randn(1, 3, 64, 64), Q(), "key")
-    return (encode_frame(FrameType.SEGMENT, Stream.ANCHOR, 1, 0, pack_segment(0, "key", 0, s, False)),
-            encode_frame(FrameType.SEGMENT, Stream.ANCHOR, 1, 1, pack_segment(0, "value", 0, s, False)),
-            encode_frame(FrameType.SEGMENT, Stream.ANCHOR, 1, 0, pack_segment(0, "value", 0, s, False)))
+    return (encode_frame(FrameType.SEGMENT, Stream.ANCHOR, 1, 0, pack_segment(0, "key", 0, s, "anchor")),
+            encode_frame(FrameType.SEGMENT, Stream.ANCHOR, 1, 1, pack_segment(0, "value", 0, s, "anchor")),
+            encode_frame(FrameType.SEGMENT, Stream.ANCHOR, 1, 0, pack_segment(0, "value", 0, s, "anchor")))
 
 
 @pytest.mark.parametrize("order,msg", [((0, 0), "duplicated"), ((1,), "out-of-order"), ((0, 2), "duplicated")])
@@ -322,8 +322,8 @@ def test_the_receiver_runs_no_torch_compute_op(dtype):
     for kind in ("key", "value"):
         for off in range(0, S, 256):
             s = encode(torch.randn(B, H, min(256, S - off), D).to(dtype), cfg, kind)
-            frames += [SimpleNamespace(stream=Stream.ANCHOR, payload=pack_segment(0, kind, off, s, False)),
-                       SimpleNamespace(stream=Stream.RESIDUAL, payload=pack_segment(0, kind, off, s, True))]
+            frames += [SimpleNamespace(stream=Stream.ANCHOR, payload=pack_segment(0, kind, off, s, "anchor")),
+                       SimpleNamespace(stream=Stream.RESIDUAL, payload=pack_segment(0, kind, off, s, "residual"))]
     logits = torch.randn(B, 49152).to(dtype)
     cache = LynxCache(1, S, cfg, dtype=dtype)
     loader = NetworkLoader(None, {"prompt_len": S, "num_layers": 1}, rid=1)

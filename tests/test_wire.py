@@ -60,19 +60,19 @@ def test_json_payload_must_be_an_object():
 def test_segment_serde_roundtrip_exact(cfg):
     x = torch.randn(1, 3, 100, 64)
     s = encode(x, cfg, "key")
-    layer, kind, axis, start, count, t = unpack_segment(pack_segment(4, "key", 256, s, False))
+    layer, kind, axis, start, count, t = unpack_segment(pack_segment(4, "key", 256, s, "anchor"))
     assert (layer, kind, start, count) == (4, "key", 256, 100)
     back = to_split(t, cfg, kind, axis, (1, 3, count, 64), torch.float32)
     assert torch.equal(back.anchor, s.anchor) and back.meta.keys() == s.meta.keys()
     assert all(torch.equal(back.meta[k], s.meta[k]) for k in s.meta)
     if s.residual is not None:
-        *_, tr = unpack_segment(pack_segment(4, "key", 256, s, True))
+        *_, tr = unpack_segment(pack_segment(4, "key", 256, s, "residual"))
         assert torch.equal(check_residual(tr, cfg, "key", axis, (1, 3, 100, 64), torch.float32), s.residual)
 
 
 def test_a_segment_with_wrong_shapes_is_refused():
     s = encode(torch.randn(1, 3, 100, 64), Q(), "key")
-    *_, axis, _, _, t = unpack_segment(pack_segment(0, "key", 0, s, False))
+    *_, axis, _, _, t = unpack_segment(pack_segment(0, "key", 0, s, "anchor"))
     with pytest.raises(WireError, match="do not match"):
         to_split(t, Q(), "key", axis, (1, 3, 101, 64), torch.float32)  # a peer lying about the token count
     with pytest.raises(WireError, match="do not match"):
@@ -94,7 +94,7 @@ def test_fuzz_random_bytes_only_raise_wire_error(data):
 def test_fuzz_every_mutated_frame_is_rejected(pos, flip, extra):
     """A changed byte anywhere (CRC32 catches every burst of up to 32 bits), a cut, or trailing bytes: WireError."""
     s = encode(torch.randn(1, 3, 8, 64), Q(), "key")
-    good = encode_frame(FrameType.SEGMENT, Stream.ANCHOR, 1, 0, pack_segment(0, "key", 0, s, False))
+    good = encode_frame(FrameType.SEGMENT, Stream.ANCHOR, 1, 0, pack_segment(0, "key", 0, s, "anchor"))
     bad = bytearray(good)
     bad[pos % len(bad)] ^= flip
     for buf in (bytes(bad), good + extra, good[: pos % len(good)]):

@@ -146,10 +146,12 @@ class LynxCache(Cache):
             self.trace.arrived("anchor", layer, kind)
             self._changed.notify_all()
 
-    def put_residual(self, layer: int, kind: str, start: int, residual: torch.Tensor) -> None:
+    def put_residual(self, layer: int, kind: str, start: int, data: torch.Tensor, stream: str = "residual") -> None:
+        """A segment's residual codes, or (stream "correction", exact mode) its correction: the full tier of a
+        segment is in once both are."""
         with self._changed:
-            _layer(self, layer).store.put_residual(kind, start, residual)
-            self.trace.arrived("residual", layer, kind, complete=complete(self.layers, "residual"))
+            _layer(self, layer).store.put_residual(kind, start, data, stream)
+            self.trace.arrived(stream, layer, kind, complete=complete(self.layers, "residual"))
             self._changed.notify_all()
 
     def put_logits(self, logits: torch.Tensor) -> None:

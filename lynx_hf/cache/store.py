@@ -1,5 +1,5 @@
 """`PromptStore`: one layer's encoded prompt as it arrives — anchor-stream segments (codes + metadata), their
-residuals, which prompt positions they cover and whether a tier is complete. Codes move to the cache's device when
+residuals (and, in exact mode, their corrections), which prompt positions they cover and whether a tier is complete. Codes move to the cache's device when
 they are stored (through pinned host memory, without blocking the receiver), so a tier is dequantized where the
 model runs and only codes cross PCIe. Not thread-safe by itself: `LynxCache` calls it under its lock."""
 from __future__ import annotations
@@ -9,6 +9,7 @@ import bisect
 import torch
 
 from ..quant import SplitKV, codec
+from ..quant.exact import check_correction
 
 KINDS = ("key", "value")
 
@@ -32,7 +33,7 @@ class PromptStore:
         self.segments = {k: {} for k in KINDS}  # kind -> {start: SplitKV}
         self._starts = {k: [] for k in KINDS}   # kind -> sorted segment starts
         self._tokens = {k: 0 for k in KINDS}    # kind -> prompt positions covered by anchors
-        self.missing = 0                        # split segments whose residual has not arrived
+        self.missing = 0                        # residual / correction parts of segments still to arrive
         self.staged_bytes = 0                   # bytes moved here from another device (codes and metadata)
 
     def _stage(self, t: torch.Tensor) -> torch.Tensor:
@@ -52,26 +53,36 @@ class PromptStore:
         for s0 in starts[max(i - 1, 0): i + 1]:  # only the neighbours can overlap
             if start < s0 + segs[s0].shape[2] and s0 < end:
                 raise ValueError(f"{kind} segment [{start}, {end}) overlaps [{s0}, {s0 + segs[s0].shape[2]}) (duplicate?)")
+        stage_ = lambda t: None if t is None else self._stage(t)
         split = SplitKV(split.config, split.kind, split.shape, split.dtype, self._stage(split.anchor),
-                        None if split.residual is None else self._stage(split.residual),
-                        {n: self._stage(t) for n, t in split.meta.items()}, split.axis)
+                        stage_(split.residual), {n: self._stage(t) for n, t in split.meta.items()}, split.axis,
+                        stage_(split.correction))
         starts.insert(i, start)
         segs[start] = split
         self._tokens[kind] += split.shape[2]
-        self.missing += codec(split.config).split and split.residual is None
+        split_codec = codec(split.config).split
+        self.missing += split_codec and split.residual is None
+        self.missing += split_codec and split.config.exact and split.correction is None
 
-    def put_residual(self, kind: str, start: int, residual: torch.Tensor) -> None:
+    def put_residual(self, kind: str, start: int, data: torch.Tensor, stream: str = "residual") -> None:
+        """A segment's residual codes, or (stream "correction") its exact-mode correction bytes."""
         seg = self.segments[kind].get(start) if kind in KINDS else None
         if seg is None:
-            raise ValueError(f"residual for {kind} at token {start} arrived before its anchor")
-        if not codec(seg.config).split:
-            raise ValueError(f"method {seg.config.method!r} has no residual stream")
-        if seg.residual is not None:
-            raise ValueError(f"duplicate residual segment for {kind} at token {start}")
-        want = (*seg.shape[:3], seg.shape[3] // 2)
-        if tuple(residual.shape) != want or residual.dtype != torch.uint8:
-            raise ValueError(f"residual shape {tuple(residual.shape)} {residual.dtype}, expected {want} uint8")
-        seg.residual = self._stage(residual)
+            raise ValueError(f"{stream} for {kind} at token {start} arrived before its anchor")
+        if not codec(seg.config).split or stream == "correction" and not seg.config.exact:
+            raise ValueError(f"method {seg.config.method!r} has no {stream} stream"
+                             + (" (not an exact config)" if stream == "correction" else ""))
+        if getattr(seg, stream) is not None:
+            raise ValueError(f"duplicate {stream} segment for {kind} at token {start}")
+        if stream == "residual":
+            want = (*seg.shape[:3], seg.shape[3] // 2)
+            if tuple(data.shape) != want or data.dtype != torch.uint8:
+                raise ValueError(f"residual shape {tuple(data.shape)} {data.dtype}, expected {want} uint8")
+        elif stream == "correction":
+            check_correction(data, seg.shape, seg.dtype)
+        else:
+            raise ValueError(f"stream must be 'residual' or 'correction', got {stream!r}")
+        setattr(seg, stream, self._stage(data))
         self.missing -= 1
 
     def covered(self, kind: str) -> int:

@@ -12,6 +12,7 @@ full-tier KV (greedy and every deterministic option), or follow its distribution
 budget, the policy, stopping, streaming and telemetry; the drafters own their passes and their acceptance."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from ..arch import refuse_encoder_decoder
@@ -105,6 +106,8 @@ def _generate_claimed(model, input_ids, logits_processor, stopping_criteria, gc,
                       stop_strings, token_healing, model_kwargs, cache, t0):
     conv = cache.conversation
     spec = spec or SpecConfig()
+    if cache.quant_config.exact:  # k drafts verified in one forward round unlike k one-token steps: no drafts
+        spec = dataclasses.replace(spec, max_draft_steps=0)
     if (gc.num_beams or 1) > 1 or (gc.num_return_sequences or 1) > 1:
         raise ValueError("speculative_generate decodes one sequence per prompt row: num_beams > 1 and "
                          "num_return_sequences > 1 are not supported")

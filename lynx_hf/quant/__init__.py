@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from ..config import METHODS, LynxQuantConfig
-from . import baselines, lynx
+from . import baselines, exact, lynx
 from .shapes import SENT_AXES, StreamShapes, TensorSpec, coded_shapes, lynx_shapes, passthrough_shapes, uniform_shapes
 from .splitkv import TIERS, SplitKV
 
@@ -63,8 +63,12 @@ def _lynx_encode(x, config, kind, reference, layer=None):
     from .dispatch import kernels
 
     if reference:
-        return lynx.encode(x, config, kind, fast=False)
-    return lynx.encode(x, config, kind, kernels(x.device, x.numel()))
+        split = lynx.encode(x, config, kind, fast=False)
+    else:
+        split = lynx.encode(x, config, kind, kernels(x.device, x.numel()))
+    if config.exact:  # against the reference reconstruction: the one the decode side reproduces bit for bit
+        split.correction = exact.encode_correction(x, lynx.dequantize(split, "full", lynx.REFERENCE))
+    return split
 
 
 def _lynx_dequantize(split, tier, reference, out=None):
@@ -72,6 +76,12 @@ def _lynx_dequantize(split, tier, reference, out=None):
 
     if tier == "full" and split.residual is None:
         raise ValueError("dequantize: the full tier needs the residual stream, which this SplitKV lacks")
+    if tier == "full" and split.config.exact:
+        if split.correction is None:
+            raise ValueError("dequantize: an exact config's full tier needs the correction stream, which this "
+                             "SplitKV lacks")
+        x = exact.correct(lynx.dequantize(split, "full", lynx.REFERENCE), split.correction)
+        return x if out is None else out.copy_(x)
     return lynx.dequantize(split, tier, lynx.REFERENCE if reference else kernels(split.anchor.device,
                                                                                  split.anchor.numel() * 2), out)
 

@@ -17,6 +17,7 @@ import torch
 from ..config import LynxQuantConfig
 from .baselines import _AXIS as UNIFORM_AXIS
 from .baselines import BITS
+from .exact import max_nbytes as correction_bound
 
 SENT_AXES = ("channel", "token")  # the grouping axes a split codec's segment may declare
 
@@ -44,12 +45,14 @@ class TensorSpec:
 @dataclass(frozen=True)
 class StreamShapes:
     """The tensors one encode of a [B, H, S, D] segment produces: `anchor` (codes), `residual` (codes, or None when
-    the method has no residual stream), `meta` (name → spec; travels with the anchor) and the grouping `axis`."""
+    the method has no residual stream), `meta` (name → spec; travels with the anchor), the grouping `axis` and, in
+    exact mode, the `correction` (a coded byte stream: `shape` None, `nbytes` its bound)."""
 
     anchor: TensorSpec
     residual: TensorSpec | None
     meta: dict = field(default_factory=dict)
     axis: str = ""
+    correction: TensorSpec | None = None
 
     @property
     def coded(self) -> bool:
@@ -61,6 +64,8 @@ class StreamShapes:
         n = self.anchor.nbytes + sum(m.nbytes for m in self.meta.values())
         if tier == "full" and self.residual is not None:
             n += self.residual.nbytes
+        if tier == "full" and self.correction is not None:
+            n += self.correction.nbytes
         return n
 
 
@@ -89,7 +94,8 @@ def lynx_shapes(config: LynxQuantConfig, kind: str, shape: tuple, dtype: torch.d
     if paper:
         page = TensorSpec.of((B, H, -(-NC // (config.page_size // C)), D), torch.float16)
         meta.update(gamma_min=page, gamma_scale=page)
-    return StreamShapes(codes, codes, meta, axis)
+    fix = TensorSpec(None, torch.uint8, correction_bound(math.prod(shape), dtype)) if config.exact else None
+    return StreamShapes(codes, codes, meta, axis, fix)
 
 
 def uniform_shapes(config: LynxQuantConfig, kind: str, shape: tuple, dtype: torch.dtype,

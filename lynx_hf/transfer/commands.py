@@ -12,6 +12,10 @@ SECRET_HELP = ("shared secret; visible to every local user in the process list: 
                "$LYNX_SECRET")
 SECRET_FILE_HELP = "read the shared secret from this file's first line (or set $LYNX_SECRET); one of them is required"
 MODEL_HELP = "Hub id or local path (default: embedded SmolLM2-135M-Instruct)"
+DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_HELP = "the model's dtype, so its KV's (both processes must run the same one)"
+EXACT_HELP = ("exact mode (Lynx codec only): a third stream makes the full tier the model's KV bit for bit, so the "
+              "output equals plain generate in this dtype (default: equal to decoding the 8-bit full tier)")
 NIXL_HELP = "pip install 'lynx-hf[nixl]'; UCX_TLS / UCX_NET_DEVICES choose its transports and interfaces"
 
 
@@ -77,6 +81,8 @@ def plane_or_exit(a) -> None:
 
 
 def _serve_prefill(a):
+    import torch
+
     import lynx_hf
     from ..errors import ConfigError
 
@@ -97,7 +103,7 @@ def _serve_prefill(a):
     except OSError as e:
         raise SystemExit(f"lynx-hf serve-prefill: error: cannot listen on {host}:{port}: {e.strerror or e}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    model, _ = lynx_hf.load_default_model(a.model)
+    model, _ = lynx_hf.load_default_model(a.model, dtype=getattr(torch, a.dtype))
     try:
         srv = PrefillServer(model, host, port, listen_socket=sock, secret=secret, insecure=a.insecure, max_connections=a.max_connections,
                             tls_cert=a.tls_cert, tls_key=a.tls_key, bandwidth_bps=None if bw is None else bw * 1e6,
@@ -140,23 +146,32 @@ def _prompts(a):
 
 
 def _serve_decode(a):
+    import dataclasses
+
+    import torch
+
     import lynx_hf
     from lynx_hf import LynxQuantConfig
 
     from ..arch import fingerprint
-    from ..errors import LynxError
+    from ..errors import ConfigError, LynxError
     from .decode import DecodeClient
 
     host, port = _hostport(a.prefill, a.cmd)
     secret = _secret_or_exit(a, host)
     plane_or_exit(a)
-    model, tok = lynx_hf.load_default_model(a.model)
+    model, tok = lynx_hf.load_default_model(a.model, dtype=getattr(torch, a.dtype))
     fp = fingerprint(model)  # once per process, before any connection (a reconnect needs no second pass)
     connect = lambda: DecodeClient(model, host, port, secret=secret, insecure=a.insecure, tls=a.tls, tls_ca=a.tls_ca,
                                    timeout_s=a.timeout, model_fingerprint=fp, data_plane=a.data_plane,
                                    prefill_on=a.prefill_on)
     cli = sess = None
     cfg = LynxQuantConfig.from_pretrained(a.lynx_config) if a.lynx_config else LynxQuantConfig(method=a.method)
+    if a.exact:
+        try:
+            cfg = dataclasses.replace(cfg, exact=True)
+        except ConfigError as e:
+            raise SystemExit(f"lynx-hf serve-decode: error: --exact: {e}")
     failed = False
     messages: list[dict] = []  # --session: the conversation so far (the chat template renders it each turn)
     tools = None  # --session: the tools the last turn that named them gave the template
@@ -240,6 +255,7 @@ def register(sub) -> None:
                                    "--max-inflight-mb of queued frames; the startup log line gives the sums "
                                    "(docs/wire-format.md, 'Memory' and 'Threat model').")
     p.add_argument("--listen", default="127.0.0.1:7480", help="HOST:PORT (binds loopback unless told otherwise)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help=DTYPE_HELP)
     p.add_argument("--bandwidth-mbps", type=mbps(), default=None, help="emulate a link of this bandwidth")
     p.add_argument("--latency-ms", type=number(0, 60000), default=0.0, help="emulated one-way latency")
     p.add_argument("--max-connections", type=count(65536), default=32, help="authenticated connections served at once")
@@ -291,6 +307,8 @@ def _register_decode(sub) -> None:
     codec.add_argument("--method", default="lynx", choices=list(METHODS), help="the KV codec")
     codec.add_argument("--lynx-config", help="the codec from a lynx_config.json (folder, file or Hub repo), e.g. "
                                              "written by `lynx-hf calibrate`")
+    q.add_argument("--exact", action="store_true", help=EXACT_HELP)
+    q.add_argument("--dtype", choices=DTYPES, default="float32", help=DTYPE_HELP)
     q.add_argument("--session", action="store_true",
                    help="one conversation: each input line is the next turn — plain text: a user message; a JSON "
                         "line: messages with roles ({\"role\": \"system\"|\"user\"|\"assistant\"|\"tool\", "

@@ -26,7 +26,7 @@ from ..local import extend_here
 from ..session import PLACES, Placement, Session, TurnResult, check_turn, decode_turn
 from .prefix_cache import token_digest
 from . import nixl
-from .serde import check_residual, stream_bound, to_split, unpack_logits, unpack_segment, warm
+from .serde import check_correction, check_residual, stream_bound, to_split, unpack_logits, unpack_segment, warm
 from .auth import Channel, PeerError, client_handshake, quote_peer, resolve_secret
 from .transport import TcpTransport, TlsTcpTransport
 from .wire import FrameType, RequestRefused, Stream, WireError
@@ -82,6 +82,7 @@ class NetworkLoader(Loader):
                     j = f.json()  # what was dropped never comes: each stream goes on after the dropped frames
                     self.ch.checker.skip_to(Stream.ANCHOR, j.get("anchor_frames"))
                     self.ch.checker.skip_to(Stream.RESIDUAL, j.get("residual_frames"))
+                    self.ch.checker.skip_to(Stream.CORRECTION, j.get("correction_frames", 0))
                     self.dropped = int(j.get("dropped") or 0)
                     self.prefill_s = j.get("prefill_s")
                     self._release()
@@ -89,8 +90,9 @@ class NetworkLoader(Loader):
                     return
                 elif f.type == FrameType.END:
                     j = f.json()
-                    if (j.get("anchor_frames"), j.get("residual_frames")) != (
-                            self.ch.checker.next[Stream.ANCHOR], self.ch.checker.next[Stream.RESIDUAL]):
+                    if (j.get("anchor_frames"), j.get("residual_frames"), j.get("correction_frames", 0)) != (
+                            self.ch.checker.next[Stream.ANCHOR], self.ch.checker.next[Stream.RESIDUAL],
+                            self.ch.checker.next[Stream.CORRECTION]):
                         raise WireError(f"END counts {j} do not match the frames received")
                     if self.cache.prefill_logits is None or not self.cache.residual_ready():
                         raise WireError("END before the whole prompt KV and the logits arrived")
@@ -143,6 +145,8 @@ class NetworkLoader(Loader):
             self.cache.put_anchor(layer, kind, start, to_split(tensors, cfg, kind, axis, shape, dtype))
         elif stream == Stream.RESIDUAL:
             self.cache.put_residual(layer, kind, start, check_residual(tensors, cfg, kind, axis, shape, dtype))
+        elif stream == Stream.CORRECTION:
+            self.cache.put_residual(layer, kind, start, check_correction(tensors, cfg, shape, dtype), "correction")
         else:
             raise WireError("segment on the control stream")
 
@@ -243,6 +247,8 @@ class DecodeClient:
             cache = cache.fork()
         held = cache.conversation.continue_turn(ids) if cache is not None else 0  # waits for the last turn's residual
         spec = spec_config or SpecConfig(max_draft_steps=64 if speculative else 0)
+        if held and cfg.exact:  # exact mode: a turn goes on where Transformers' own would (the held KV, one forward)
+            prefill_on = "decode"
         if self.placement.choose(ids.shape[1] - held, held, lambda: self._probe(ids), prefill_on) == "decode":
             return self._turn_here(ids, max_new, clipped, spec, cache, held, gen_kwargs)
         t0, p, rid, arena = self._request(ids, cfg, held)

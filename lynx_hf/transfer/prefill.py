@@ -45,7 +45,7 @@ from ..quant import encode
 from .auth import Channel, quote_peer
 from .prefix_cache import PrefixCache, layer_kv, token_digest
 from .serde import pack_logits, pack_segment, stream_bound
-from .transport import PRIO_ANCHOR, PRIO_END, PRIO_RESIDUAL
+from .transport import PRIO_ANCHOR, PRIO_CORRECTION, PRIO_END, PRIO_RESIDUAL
 from .wire import MAX_JSON, SEGMENT_TOKENS, FrameType, PeerClosed, RequestRefused, Stream, WireError
 
 log = logging.getLogger("lynx_hf.prefill")
@@ -235,6 +235,10 @@ class _Prefill:
             self.ids, self.cfg = ids, LynxQuantConfig.from_dict(self.req.get("quant_config") or {})
         except (ValueError, TypeError) as e:
             raise RequestRefused(f"bad quant_config: {e}") from None
+        if self.cfg.exact and len(ids) > node.step:
+            raise RequestRefused(f"exact mode prefills a prompt in one forward pass, as plain generate's prefill does "
+                                 f"(chunks round differently): {len(ids)} tokens exceed this server's --prefill-step "
+                                 f"of {node.step}")
         self.held, self.refused = held_claim(self.req, ids, self.cfg, node.fp)
         if self.refused:
             log.warning("request %s: %s; shipping the whole prompt", self.rid, self.refused)
@@ -245,7 +249,9 @@ class _Prefill:
         node, P = self.node, self.prompt_len
         if node.unservable:
             raise RequestRefused(node.unservable)
-        self.hit, blocks = node.prefix.lookup(self.ids, P - 1) if node.prefix is not None else (0, [])
+        # (exact mode: no prefix reuse — the rest computed over cached KV rounds unlike one forward over the prompt)
+        reuse = node.prefix is not None and not self.cfg.exact
+        self.hit, blocks = node.prefix.lookup(self.ids, P - 1) if reuse else (0, [])
         prompt = {**kv_handshake(self.model, self.rid, P, self.cfg, node.geometry), "start": self.held,
                   "refused": self.refused, "prefix_hit": self.hit}
         dp = self.req.get("data_plane")
@@ -300,15 +306,19 @@ class _Prefill:
     def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """Queue one layer's KV (k, v: [B, H_kv, S, D] for prompt positions [start, start + S)) as SEGMENT frames
         of at most SEGMENT_TOKENS tokens (small frames keep strict priority responsive): K then V, each segment's
-        anchor (priority 0), then its residual (priority 1)."""
+        anchor (priority 0), then its residual (priority 1), then in exact mode its correction (priority 2)."""
         S = k.shape[2]
         for kind, x in (("key", k), ("value", v)):
             for off in range(0, S, SEGMENT_TOKENS):
                 s = encode(x[:, :, off:off + SEGMENT_TOKENS].contiguous(), self.cfg, kind,
                            layer=(layer, self.num_layers))
-                self._queue(Stream.ANCHOR, pack_segment(layer, kind, start + off, s, False), PRIO_ANCHOR)
+                self._queue(Stream.ANCHOR, pack_segment(layer, kind, start + off, s, "anchor"), PRIO_ANCHOR)
                 if s.residual is not None:
-                    self._queue(Stream.RESIDUAL, pack_segment(layer, kind, start + off, s, True), PRIO_RESIDUAL)
+                    self._queue(Stream.RESIDUAL, pack_segment(layer, kind, start + off, s, "residual"),
+                                PRIO_RESIDUAL)
+                if s.correction is not None:
+                    self._queue(Stream.CORRECTION, pack_segment(layer, kind, start + off, s, "correction"),
+                                PRIO_CORRECTION)
 
     def _queue(self, stream: Stream, payload: bytes, priority: int) -> None:
         """One segment: a SEGMENT frame, or with a data plane (`nixl.PrefillPlane`) a PLACED frame whose bytes the
@@ -334,7 +344,8 @@ class _Prefill:
         dropped; returns what the log says of the request."""
         ch, prefill_s = self.ch, self.prefill_s or time.perf_counter() - self.t0
         end = ch.send_json(FrameType.END, {"anchor_frames": ch.out_seq[Stream.ANCHOR],
-                                           "residual_frames": ch.out_seq[Stream.RESIDUAL], "prefill_s": prefill_s,
+                                           "residual_frames": ch.out_seq[Stream.RESIDUAL],
+                                           "correction_frames": ch.out_seq[Stream.CORRECTION], "prefill_s": prefill_s,
                                            "cancelled": dropped is not None, "dropped": dropped or 0},
                            self.rid, PRIO_END, wait=False)
         end.result(ch.t.send_timeout_s + 5)

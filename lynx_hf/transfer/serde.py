@@ -1,5 +1,5 @@
 """Tensors on the wire as a self-describing binary table: KV segments (a SplitKV segment — anchor stream: codes +
-metadata — or a residual segment, codes only) and the prefill's logits (FIRST).
+metadata —, a residual segment, codes only, or in exact mode a correction segment, its bytes) and the prefill's logits (FIRST).
 
 Contract: every received tensor's shape and dtype is checked against what the negotiated codec declares for the
 segment's geometry (`quant.stream_shapes`: no encode, no torch op) or the KV handshake declares for the logits,
@@ -15,6 +15,7 @@ import torch
 from ..arch import window_positions
 from ..config import LynxQuantConfig
 from ..quant import SplitKV, StreamShapes, codec, stream_shapes
+from ..quant.exact import check_correction as framing
 from ..quant.shapes import SENT_AXES
 from .wire import WireError, segment_counts
 
@@ -76,8 +77,15 @@ def unpack_tensors(mv: memoryview, pos: int = 0) -> dict:
     return tensors
 
 
-def pack_segment(layer: int, kind: str, start: int, split: SplitKV, residual: bool) -> bytes:
-    tensors = {"codes": split.residual} if residual else {"codes": split.anchor, **split.meta}
+PARTS = ("anchor", "residual", "correction")  # a segment's part each stream carries
+
+
+def pack_segment(layer: int, kind: str, start: int, split: SplitKV, part: str) -> bytes:
+    """One part of a segment as a SEGMENT payload: "anchor" (codes + metadata), "residual" (codes) or
+    "correction" (exact mode's bytes)."""
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
+    tensors = {"codes": split.anchor, **split.meta} if part == "anchor" else {"codes": getattr(split, part)}
     return SUB.pack(layer, KINDS.index(kind), AXES.index(split.axis), start, split.shape[2]) + pack_tensors(tensors)
 
 
@@ -121,8 +129,8 @@ def layer_counts(geometry: dict, prompt_len: int, start: int = 0) -> list[list[i
 
 
 def segment_bound(config: LynxQuantConfig, kind: str, shape: tuple, dtype: torch.dtype) -> int:
-    """The most bytes an anchor and a residual SEGMENT payload of this shape take together, on any axis the codec
-    sends (a coded stream: the codec's `max_nbytes`)."""
+    """The most bytes the SEGMENT payloads of one segment of this shape take together (anchor, residual and, exact
+    mode, correction), on any axis the codec sends (a coded stream: its bound)."""
     table = lambda specs: 1 + sum(2 + len(n) + TENS.size + 4 * len(m.shape or (m.nbytes,)) + m.nbytes
                                   for n, m in specs.items())
     best = 0
@@ -131,8 +139,8 @@ def segment_bound(config: LynxQuantConfig, kind: str, shape: tuple, dtype: torch
             s = _expected(config, kind, axis, shape, dtype)
         except ValueError:  # an axis this codec never sends
             continue
-        n = SUB.size + table({"codes": s.anchor, **s.meta}) + (SUB.size + table({"codes": s.residual})
-                                                                 if s.residual else 0)
+        n = SUB.size + table({"codes": s.anchor, **s.meta}) + sum(SUB.size + table({"codes": t})
+                                                                  for t in (s.residual, s.correction) if t)
         best = max(best, n)
     return best
 
@@ -193,3 +201,15 @@ def check_residual(tensors, config, kind, axis, shape, dtype) -> torch.Tensor:
     if res is None or got != {"codes": res}:
         raise WireError(f"residual segment tensors {got} do not match the codec's {res}")
     return tensors["codes"]
+
+
+def check_correction(tensors, config, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A correction segment's bytes (exact mode), after checking its table and framing against the bound."""
+    codes = tensors.get("codes")
+    if not config.exact or set(tensors) != {"codes"} or codes.dim() != 1 or codes.dtype != torch.uint8:
+        raise WireError(f"correction segment tensors {_signatures(tensors)} for codec {config.to_dict()}")
+    try:
+        framing(codes, shape, dtype)
+    except ValueError as e:
+        raise WireError(str(e)) from None
+    return codes

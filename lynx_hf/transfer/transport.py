@@ -36,10 +36,10 @@ import torch
 from ..link import LinkEmulator, NicPort
 from .wire import HEADER, MAGIC, MAX_PAYLOAD, FrameType, PeerClosed, WireError, json_frame, parse_frame, read_frame
 
-PRIO_ANCHOR, PRIO_RESIDUAL, PRIO_END = 0, 1, 2
+PRIO_ANCHOR, PRIO_RESIDUAL, PRIO_CORRECTION, PRIO_END = 0, 1, 2, 3
 PLAIN_TO_TLS = ("the prefill server speaks TLS: connect with tls=True or tls_ca=... (serve-decode --tls or "
                 "--tls-ca)")
-DSCP = {PRIO_ANCHOR: 46 << 2, PRIO_RESIDUAL: 10 << 2, PRIO_END: 10 << 2}  # EF for the anchor, AF11 for the rest
+DSCP = {PRIO_ANCHOR: 46 << 2, PRIO_RESIDUAL: 10 << 2, PRIO_CORRECTION: 10 << 2, PRIO_END: 10 << 2}  # EF for the anchor, AF11 for the rest
 
 
 class Transport:

@@ -51,7 +51,7 @@ class FrameType(enum.IntEnum):
     #               data_plane (optional: a NIXL arena)
     PROMPT = 4    # JSON: KV handshake — layers, windows, batch, kv heads, head dim, dtype, vocab, prompt length, codec,
     #               start (first position shipped), refused (why a held claim was not taken), prefix_hit
-    SEGMENT = 5   # binary: one segment of one layer's K or V, anchor or residual stream
+    SEGMENT = 5   # binary: one segment of one layer's K or V, anchor, residual or correction stream
     FIRST = 6     # binary: the prefill's last-position logits [batch, vocab] (tensor table)
     END = 7       # JSON: end of the request's streams (frame counts per stream, prefill time)
     ERROR = 8     # JSON: {"error": message}
@@ -67,6 +67,7 @@ class Stream(enum.IntEnum):
     CONTROL = 0
     ANCHOR = 1
     RESIDUAL = 2
+    CORRECTION = 3  # exact mode: what the full tier lacks to give the model's KV bit for bit (lowest priority)
 
 
 def header_bytes(ftype: FrameType, stream: Stream, request_id: int, seq: int, length: int, flags: int = 0) -> bytes:

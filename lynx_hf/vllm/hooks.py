@@ -66,9 +66,13 @@ def parse_params(params) -> dict | None:
 
 def codec_config(base: dict, method: str) -> LynxQuantConfig:
     try:
-        return LynxQuantConfig(**{**base, "method": method})
+        config = LynxQuantConfig(**{**base, "method": method})
     except (ConfigError, TypeError) as e:
         raise ParamsError(str(e)) from None
+    if config.exact:  # its streams carry anchor and residual only
+        raise ParamsError("exact=True is not served through the vLLM connector yet: use lynx-hf's own transfer "
+                          "(serve-prefill / DecodeClient) for exact mode")
+    return config
 
 
 @dataclass

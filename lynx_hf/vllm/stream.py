@@ -103,9 +103,9 @@ def encode_layer(config: LynxQuantConfig, layer: int, num_layers: int, k: torch.
     for kind, x in (("key", k), ("value", v)):
         for off in range(0, x.shape[2], SEGMENT_TOKENS):
             s = encode(x[:, :, off:off + SEGMENT_TOKENS].contiguous(), config, kind, layer=(layer, num_layers))
-            out[Stream.ANCHOR].append(pack_segment(layer, kind, off, s, False))
+            out[Stream.ANCHOR].append(pack_segment(layer, kind, off, s, "anchor"))
             if s.residual is not None:
-                out[Stream.RESIDUAL].append(pack_segment(layer, kind, off, s, True))
+                out[Stream.RESIDUAL].append(pack_segment(layer, kind, off, s, "residual"))
     return [(Stream.ANCHOR, p) for p in out[Stream.ANCHOR]] + [(Stream.RESIDUAL, p) for p in out[Stream.RESIDUAL]]
 
 
