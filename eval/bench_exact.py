@@ -78,17 +78,15 @@ def run(tokens: int = 1024, model_name: str | None = None, dtypes=DTYPES, as_jso
     import lynx_hf
 
     say = printer(as_json, stderr=True)
-    base, tok = lynx_hf.load_default_model(model_name)
     kinds = texts()
     rows = {}
     for name in tqdm(dtypes, desc="dtypes", file=sys.stderr, disable=as_json):
         dt = getattr(torch, name)
-        model = base.to(dt)
+        model, tok = lynx_hf.load_default_model(model_name, dtype=dt)  # (loaded in each dtype, never cast between)
         for kind, text in kinds.items():
             ids = tok(text, return_tensors="pt").input_ids[:, :tokens]
             rows[f"{kind}/{name}"] = {"kind": kind, "dtype": name, "tokens": ids.shape[1],
                                       "dtype_bits": 8 * dt.itemsize, **measure(model, ids)}
-    base.to(torch.float32)
     say(f"{'text':14s} {'dtype':9s} {'tokens':>6s} {'correction':>10s} {'exact total':>11s} {'dtype':>6s} "
         f"{'vs dtype':>8s} {'encode':>9s} {'full tier':>9s}   (bits per value; seconds for the prompt's KV)")
     for r in rows.values():

@@ -205,7 +205,10 @@ def markdown(res: dict, cmd: str) -> list[str]:
              "prefix cache serves an arm only its own earlier turns, as one real conversation is served: *computed* is "
              "what the prefill node recomputed, the assistant's replies included); *auto*: Lynx delta with each "
              "continued turn's new positions computed where `session.Placement` expects the first token sooner "
-             f"(turns on the decode node here: {_placed(res['arms'])}). Last turn ({res['turns']}):", "",
+             f"(turns on the decode node here: {_placed(res['arms'])}); *lynx-exact*: exact mode, equal to plain "
+             "`generate` (the first turn's KV bit for bit with its correction stream — the embedded model runs in fp32 "
+             "here, whose correction takes ~20 bits a value: docs/codec.md —, later turns computed on the decode node "
+             f"over the held KV, as exact mode does). Last turn ({res['turns']}):", "",
              "| arm | tokens | shipped | computed | TTFT s | TT32T s | MB (anchor + residual) | drafts kept |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, rows in arms.items():

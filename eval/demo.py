@@ -81,7 +81,7 @@ def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_jso
     say(f"starting the prefill process (link emulator {bandwidth_bps / 1e6:.1f} Mbit/s, data plane {data_plane}) ...")
     runs = {}
     with prefill_child(model, bandwidth_bps, ids[:64], model_name, data_plane=data_plane, port=port,
-                       server_args=("--dtype", dtype)) as cli:
+                       server_args=("--dtype", dtype, "--prefill-step", str(max(1024, len(ids))))) as cli:
         methods = methods or {**METHODS, EXACT: LynxQuantConfig(exact=True)}
         plan = [(n, c, True) for n, c in methods.items()] + [
             ("Lynx (no drafts: full-tier reference)", methods["Lynx"], False)]

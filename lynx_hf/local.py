@@ -307,6 +307,10 @@ def add_turn(model, cache, input_ids: torch.Tensor, residual_after_steps: int | 
     `model.generate(input_ids, cache=cache, custom_generate=speculative_generate)` drafts on the held prefix plus
     the new range's anchor and verifies once its residual lands (schedule as in `from_prefill`). Returns the
     first token [1, 1] (the logits' argmax)."""
+    if cache.quant_config.exact:
+        raise ValueError("exact mode continues a conversation on the decode side: call model.generate(ids, "
+                         "cache=cache, custom_generate=lynx_hf.speculative_generate) with the whole conversation "
+                         "(its new positions are computed over the held KV, as Transformers' own turns do)")
     cache.conversation.continue_turn(input_ids)
     kv, logits = prefill(model, input_ids)
     cache.conversation.begin_range(input_ids)

@@ -66,7 +66,7 @@ def test_a_malformed_correction_is_refused_before_it_is_unpacked():
     good = exact.encode_correction(x, x_hat)
     blocks = -(-x.numel() // exact.BLOCK)
     wide = good.clone()
-    wide[0] = 18  # a bf16 correction needs at most 17 bits a value
+    wide[exact.HEAD] = 18  # a bf16 correction needs at most 17 bits a value
     for bad, why in ((good[:-1], "add up"), (torch.cat([good, good[:4]]), "add up"), (wide, "width"),
                      (good[:blocks - 1], "cannot hold"), (good.view(-1, 1), "cannot hold"),
                      (good.to(torch.int16), "cannot hold")):
@@ -76,6 +76,18 @@ def test_a_malformed_correction_is_refused_before_it_is_unpacked():
             check_correction({"codes": bad}, Q(exact=True), tuple(x.shape), x.dtype)
     with pytest.raises(WireError):  # a correction for a codec that has none
         check_correction({"codes": good}, Q(), tuple(x.shape), x.dtype)
+
+
+def test_a_reconstruction_that_rounds_otherwise_is_refused_not_corrected():
+    """The correction carries the CRC-32 of the encoder's values: a decode side whose x̂ differs (another build or
+    device rounding otherwise) is told so instead of ending with other values."""
+    x = torch.randn(1, 2, 40, 8, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    x_hat = (x.float() * 1.01).to(torch.bfloat16)
+    data = exact.encode_correction(x, x_hat)
+    other = x_hat.clone()
+    other.view(-1)[7] = -other.view(-1)[7]
+    with pytest.raises(ValueError, match="checksum"):
+        exact.correct(other, data)
 
 
 def test_the_config_says_which_codecs_take_exact_mode():
@@ -198,3 +210,59 @@ def test_exact_mode_equals_plain_generate_on_the_real_model_over_the_network(bf1
         cli.close()
     finally:
         srv.close()
+
+
+def test_batch_maps_keep_the_kv_exact():
+    """A correction spans the batch rows: selecting, reordering or repeating rows makes the rows' own again."""
+    from lynx_hf.local import anchor_only
+
+    x = torch.randn(3, 2, 16, 8, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    for apply, rows in ((lambda c: c.batch_select_indices([2, 0]), [2, 0]),
+                        (lambda c: c.reorder_cache(torch.tensor([1, 2, 0])), [1, 2, 0]),
+                        (lambda c: c.batch_repeat_interleave(2), [0, 0, 1, 1, 2, 2])):
+        cache = LynxCache(1, 16, Q(exact=True), dtype=torch.bfloat16)
+        for kind in ("key", "value"):
+            s = encode(x, Q(exact=True), kind)
+            cache.put_anchor(0, kind, 0, anchor_only(s))
+            cache.put_residual(0, kind, 0, s.residual)
+            cache.put_residual(0, kind, 0, s.correction, "correction")
+        apply(cache)
+        cache.set_tier("full")
+        assert same_bits(cache.layers[0].keys, x[rows]) and same_bits(cache.layers[0].values, x[rows])
+
+
+def test_a_server_serves_exact_mode_in_one_forward_and_turns_go_on_here(tiny):
+    """A prompt longer than the server's prefill step is refused in exact mode, naming the flag, and the connection
+    goes on; a continued turn's new positions are computed on the decode node (nothing crosses the link)."""
+    from conftest import LOOPBACK_SECRET, tiny_ids
+    from lynx_hf.transfer import server as S
+    from lynx_hf.transfer.decode import DecodeClient
+    from lynx_hf.transfer.wire import RequestRefused
+
+    srv = S.PrefillServer(tiny, secret=LOOPBACK_SECRET, prefill_step=32).start()
+    try:
+        cli = DecodeClient(tiny, *srv.address, secret=LOOPBACK_SECRET)
+        with pytest.raises(RequestRefused, match="--prefill-step"):
+            cli.generate(tiny_ids(40, 1), quant_config=Q(exact=True), max_new_tokens=4)
+        r1 = cli.generate(tiny_ids(30, 2), quant_config=Q(exact=True), max_new_tokens=4, keep_cache=True)
+        assert r1.prefilled_on == "prefill" and any(e[1] == "correction" for e in r1.events)
+        conv = tiny_ids(30, 2) + r1.tokens + tiny_ids(12, 3)
+        r2 = cli.generate(conv, cache=r1.cache, max_new_tokens=4, prefill_on="prefill")
+        assert r2.prefilled_on == "decode" and r2.bytes == 0
+        dc = DynamicCache(config=tiny.config)  # Transformers' own two turns
+        o1 = tiny.generate(torch.tensor([tiny_ids(30, 2)]), cache=dc, max_new_tokens=4, do_sample=False)
+        o2 = tiny.generate(torch.tensor([conv]), cache=dc, max_new_tokens=4, do_sample=False)
+        assert r1.tokens == o1[0, 30:].tolist() and r2.tokens == o2[0, len(conv):].tolist()
+        cli.close()
+    finally:
+        srv.close()
+
+
+def test_add_turn_refuses_exact_mode_with_the_way_out(tiny):
+    from conftest import tiny_ids
+
+    ids = torch.tensor([tiny_ids(20, 4)])
+    cache, _ = LynxCache.from_prefill(tiny, ids, Q(exact=True))
+    out = tiny.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate, max_new_tokens=3)
+    with pytest.raises(ValueError, match="exact mode continues a conversation on the decode side"):
+        cache.add_turn(tiny, torch.cat([out, ids[:, :5]], 1))

@@ -8,7 +8,7 @@ import bisect
 
 import torch
 
-from ..quant import SplitKV, codec
+from ..quant import SplitKV, codec, correction, dequantize
 from ..quant.exact import check_correction
 
 KINDS = ("key", "value")
@@ -53,10 +53,10 @@ class PromptStore:
         for s0 in starts[max(i - 1, 0): i + 1]:  # only the neighbours can overlap
             if start < s0 + segs[s0].shape[2] and s0 < end:
                 raise ValueError(f"{kind} segment [{start}, {end}) overlaps [{s0}, {s0 + segs[s0].shape[2]}) (duplicate?)")
-        stage_ = lambda t: None if t is None else self._stage(t)
         split = SplitKV(split.config, split.kind, split.shape, split.dtype, self._stage(split.anchor),
-                        stage_(split.residual), {n: self._stage(t) for n, t in split.meta.items()}, split.axis,
-                        stage_(split.correction))
+                        None if split.residual is None else self._stage(split.residual),
+                        {n: self._stage(t) for n, t in split.meta.items()}, split.axis,
+                        split.correction)  # (a correction is unpacked on the CPU: it stays there)
         starts.insert(i, start)
         segs[start] = split
         self._tokens[kind] += split.shape[2]
@@ -82,7 +82,7 @@ class PromptStore:
             check_correction(data, seg.shape, seg.dtype)
         else:
             raise ValueError(f"stream must be 'residual' or 'correction', got {stream!r}")
-        setattr(seg, stream, self._stage(data))
+        setattr(seg, stream, data if stream == "correction" else self._stage(data))
         self.missing -= 1
 
     def covered(self, kind: str) -> int:
@@ -112,10 +112,13 @@ class PromptStore:
                     new = rows(seg, fn)
                     seg.anchor, seg.meta, seg.shape = new.anchor, new.meta, new.shape
                     continue
+                exact = None if seg.correction is None else dequantize(seg, "full")  # the values, bit for bit
                 seg.anchor, seg.meta = fn(seg.anchor), {n: fn(t) for n, t in seg.meta.items()}
                 if seg.residual is not None:
                     seg.residual = fn(seg.residual)
                 seg.shape = (seg.anchor.shape[0], *seg.shape[1:])
+                if exact is not None:  # a correction spans the rows: the mapped rows' one, made again
+                    seg.correction = correction(fn(exact), seg)
 
 
 def complete(layers, stream: str) -> bool:

@@ -24,7 +24,7 @@ from . import baselines, exact, lynx
 from .shapes import SENT_AXES, StreamShapes, TensorSpec, coded_shapes, lynx_shapes, passthrough_shapes, uniform_shapes
 from .splitkv import TIERS, SplitKV
 
-__all__ = ["encode", "dequantize", "decode", "stream_shapes", "StreamShapes", "TensorSpec", "SplitKV", "TIERS",
+__all__ = ["encode", "dequantize", "decode", "correction", "stream_shapes", "StreamShapes", "TensorSpec", "SplitKV", "TIERS",
            "Codec", "CODECS", "codec", "validate_input"]
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -66,9 +66,15 @@ def _lynx_encode(x, config, kind, reference, layer=None):
         split = lynx.encode(x, config, kind, fast=False)
     else:
         split = lynx.encode(x, config, kind, kernels(x.device, x.numel()))
-    if config.exact:  # against the reference reconstruction: the one the decode side reproduces bit for bit
-        split.correction = exact.encode_correction(x, lynx.dequantize(split, "full", lynx.REFERENCE))
+    if config.exact:
+        split.correction = correction(x, split)
     return split
+
+
+def correction(x: torch.Tensor, split: SplitKV) -> torch.Tensor:
+    """Exact mode's correction of `split` (a Lynx / paper encode of x): against the reference reconstruction, the
+    one the decode side reproduces bit for bit."""
+    return exact.encode_correction(x, lynx.dequantize(split, "full", lynx.REFERENCE))
 
 
 def _lynx_dequantize(split, tier, reference, out=None):

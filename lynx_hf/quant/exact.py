@@ -9,17 +9,22 @@ per value; x = order⁻¹(order(x̂) + e) exactly.
 Packing by need: e is zigzag-mapped (0, −1, 1, −2, … → 0, 1, 2, 3, …) and its values put in the order of x̂'s
 exponent (a stable sort of a key both sides compute from x̂: values of one magnitude carry errors of one size),
 then cut into blocks of BLOCK values (the last one padded with zeros); a block is stored at the width w (0 to
-MAX_WIDTH bits a value) of its largest value. Bytes: the blocks' widths (one byte each), then the blocks' values in
-block order, each block BLOCK·w/8 bytes, bits little-endian. On the embedded model's bf16 KV it takes ~4.1 bits a
+MAX_WIDTH bits a value) of its largest value. Bytes: the CRC-32 of x's bits (4, little-endian: the decode side
+checks its result against it), the blocks' widths (one byte each), then the blocks' values in block order, each
+block BLOCK·w/8 bytes, bits little-endian. On the embedded model's bf16 KV it takes ~4.1 bits a
 value (docs/codec.md); a bf16 / fp16 correction needs at most 17 bits a value, an fp32 one 33.
 The byte count is bounded before anything is unpacked (`max_nbytes`)."""
 from __future__ import annotations
+
+import zlib
 
 import numpy as np
 import torch
 
 
 BLOCK = 32
+CHUNK = 1 << 14  # blocks packed at a time
+HEAD = 4  # the CRC-32 of the values, little-endian, ahead of the widths
 MAX_WIDTH = 33  # zigzag of the difference of two 32-bit orders
 _INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 _MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}  # (fp16: the key holds its sign too)
@@ -60,36 +65,57 @@ def _permutation(x_hat: torch.Tensor) -> torch.Tensor:
 
 
 def _pack(z: torch.Tensor, w: int) -> torch.Tensor:
-    """z: [n, BLOCK] int64 of at most w bits → uint8 [n · BLOCK · w / 8] (bits little-endian)."""
-    bits = ((z.unsqueeze(-1) >> torch.arange(w)) & 1).to(torch.uint8).view(len(z), -1, 8)
-    return (bits << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8).reshape(-1)
+    """z: [n, BLOCK] int64 of at most w bits → uint8 [n · BLOCK · w / 8] (bits little-endian), CHUNK blocks at a
+    time (a bit is an int64 on the way: that bounds the temporary memory)."""
+    out = []
+    for zc in z.split(CHUNK):
+        bits = ((zc.unsqueeze(-1) >> torch.arange(w)) & 1).to(torch.uint8).view(len(zc), -1, 8)
+        out.append((bits << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8).reshape(-1))
+    return torch.cat(out)
 
 
 def _unpack(b: torch.Tensor, w: int, n: int) -> torch.Tensor:
     """_pack's inverse → [n, BLOCK] int64."""
-    bits = ((b.view(n, -1, 1) >> torch.arange(8, dtype=torch.uint8)) & 1).view(n, BLOCK, w).long()
-    return (bits << torch.arange(w)).sum(-1)
+    out = []
+    for bc in b.view(n, -1).split(CHUNK):
+        bits = ((bc.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1).view(len(bc), BLOCK, w).long()
+        out.append((bits << torch.arange(w)).sum(-1))
+    return torch.cat(out)
+
+
+def _top(dtype: torch.dtype) -> int:
+    """The widest block a correction of `dtype` can need."""
+    return 17 if torch.finfo(dtype).bits <= 16 else MAX_WIDTH
 
 
 def max_nbytes(numel: int, dtype: torch.dtype) -> int:
     """The most bytes a correction of `numel` values of `dtype` can take."""
     blocks = -(-numel // BLOCK)
-    return blocks + blocks * BLOCK * (17 if torch.finfo(dtype).bits <= 16 else MAX_WIDTH) // 8
+    return HEAD + blocks + blocks * BLOCK * _top(dtype) // 8
+
+
+def _crc(x: torch.Tensor) -> int:
+    return zlib.crc32(x.detach().cpu().contiguous().view(torch.uint8).numpy())
 
 
 def encode_correction(x: torch.Tensor, x_hat: torch.Tensor) -> torch.Tensor:
-    """x, x̂: the same shape and float dtype → the correction's bytes (uint8, 1-D)."""
+    """x, x̂: the same shape and float dtype, on any device → the correction's bytes (uint8, 1-D, on the CPU)."""
     if x.shape != x_hat.shape or x.dtype != x_hat.dtype:
         raise ValueError(f"correction of {tuple(x.shape)} {x.dtype} against {tuple(x_hat.shape)} {x_hat.dtype}")
+    x, x_hat = x.detach().cpu(), x_hat.detach().cpu()
     z = _zigzag(order(x) - order(x_hat)).reshape(-1)[_permutation(x_hat)]
     z = torch.cat([z, z.new_zeros((-z.numel()) % BLOCK)]).view(-1, BLOCK)  # z: [blocks, BLOCK]
-    need = z.amax(1)
-    width = _bit_length(need)  # the bits of the block's largest value
-    parts = [width.to(torch.uint8)]
-    for w in width.unique().tolist():
+    width = _bit_length(z.amax(1))  # the bits of each block's largest value
+    sizes = width * (BLOCK // 8)
+    ends = sizes.cumsum(0)
+    body = torch.empty(int(ends[-1]) if len(ends) else 0, dtype=torch.uint8)
+    for w in width.unique().tolist():  # each width's blocks packed together, then put in block order
         if w:
-            parts.append((w, _pack(z[width == w], w)))
-    return _interleave(parts[0], width, parts[1:])
+            sel = (width == w).nonzero().squeeze(1)
+            body[((ends[sel] - sizes[sel]).unsqueeze(1) + torch.arange(BLOCK * w // 8)).reshape(-1)] = \
+                _pack(z[sel], w)
+    head = torch.tensor(list(_crc(x).to_bytes(HEAD, "little")), dtype=torch.uint8)
+    return torch.cat([head, width.to(torch.uint8), body])
 
 
 def _bit_length(v: torch.Tensor) -> torch.Tensor:
@@ -97,27 +123,15 @@ def _bit_length(v: torch.Tensor) -> torch.Tensor:
     return (v.unsqueeze(-1) >= (1 << torch.arange(MAX_WIDTH + 1))).sum(-1)
 
 
-def _interleave(widths: torch.Tensor, width: torch.Tensor, packed: list) -> torch.Tensor:
-    """Per-width packed blocks → the blocks' bytes in block order, behind the widths."""
-    sizes = width * (BLOCK // 8)
-    ends = sizes.cumsum(0)
-    out = torch.empty(int(ends[-1]) if len(ends) else 0, dtype=torch.uint8)
-    for w, data in packed:
-        sel = (width == w).nonzero().squeeze(1)
-        idx = (ends[sel] - sizes[sel]).unsqueeze(1) + torch.arange(BLOCK * w // 8)
-        out[idx.reshape(-1)] = data
-    return torch.cat([widths, out])
-
-
 def decode_correction(data: torch.Tensor, x_hat: torch.Tensor) -> torch.Tensor:
-    """Bytes → e in x̂'s shape (int64); check_correction's framing is checked again here."""
+    """Bytes → e in x̂'s shape (int64, on the CPU); check_correction's framing is checked again here."""
     check_correction(data, tuple(x_hat.shape), x_hat.dtype)
     numel = x_hat.numel()
     blocks = -(-numel // BLOCK)
     data = data.cpu()
-    width = data[:blocks].long()
+    width = data[HEAD:HEAD + blocks].long()
     sizes = width * (BLOCK // 8)
-    ends = sizes.cumsum(0) + blocks
+    ends = sizes.cumsum(0) + HEAD + blocks
     z = torch.zeros(blocks, BLOCK, dtype=torch.long)
     for w in width.unique().tolist():
         if w:
@@ -125,7 +139,7 @@ def decode_correction(data: torch.Tensor, x_hat: torch.Tensor) -> torch.Tensor:
             idx = (ends[sel] - sizes[sel]).unsqueeze(1) + torch.arange(BLOCK * w // 8)
             z[sel] = _unpack(data[idx.reshape(-1)], w, len(sel))
     e = torch.empty(numel, dtype=torch.long)
-    e[_permutation(x_hat.cpu())] = _unzigzag(z.view(-1)[:numel])
+    e[_permutation(x_hat.detach().cpu())] = _unzigzag(z.view(-1)[:numel])
     return e.view(x_hat.shape)
 
 
@@ -137,17 +151,24 @@ def check_correction(data: torch.Tensor, shape: tuple, dtype: torch.dtype) -> No
         numel *= int(s)
     blocks = -(-numel // BLOCK)
     if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1 \
-            or not blocks <= data.numel() <= max_nbytes(numel, dtype):
+            or not HEAD + blocks <= data.numel() <= max_nbytes(numel, dtype):
         raise ValueError(f"correction segment: {getattr(data, 'shape', data)} cannot hold {numel} values of {dtype}")
-    width = np.asarray(data[:blocks].cpu().numpy()).astype(np.int64)
-    top = 17 if torch.finfo(dtype).bits <= 16 else MAX_WIDTH
-    if blocks and int(width.max()) > top:
-        raise ValueError(f"correction segment: a block of width {int(width.max())} bits (at most {top} for {dtype})")
-    if blocks + int(width.sum()) * BLOCK // 8 != data.numel():
+    width = np.asarray(data[HEAD:HEAD + blocks].cpu().numpy()).astype(np.int64)
+    if blocks and int(width.max()) > _top(dtype):
+        raise ValueError(f"correction segment: a block of width {int(width.max())} bits (at most {_top(dtype)} for "
+                         f"{dtype})")
+    if HEAD + blocks + int(width.sum()) * BLOCK // 8 != data.numel():
         raise ValueError(f"correction segment: {data.numel()} bytes do not add up to what its widths say")
 
 
 def correct(x_hat: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
-    """The exact values: x̂ with its correction applied (same shape and dtype as x̂)."""
+    """The exact values: x̂ with its correction applied (same shape and dtype as x̂), checked against the CRC-32 of
+    the encoder's values — a reconstruction x̂ that differs from the encoder's (another torch build or device that
+    rounds otherwise) is refused rather than corrected into other values."""
     e = decode_correction(data, x_hat).to(x_hat.device)
-    return from_order(order(x_hat) + e, x_hat.dtype)
+    x = from_order(order(x_hat) + e, x_hat.dtype)
+    if _crc(x) != int.from_bytes(bytes(data[:HEAD].cpu().tolist()), "little"):
+        raise ValueError("exact mode: the corrected KV does not match the prefill side's checksum — this side's "
+                         "8-bit reconstruction differs from the prefill side's (another torch build or device "
+                         "rounding otherwise); the KV cannot be made exact here")
+    return x

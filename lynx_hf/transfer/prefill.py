@@ -25,6 +25,7 @@ prefix (the decode side's generated tokens, which this side never saw, are recom
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import ctypes
 import ctypes.util
 import gc
@@ -41,7 +42,7 @@ import torch
 from ..arch import fingerprint, kv_geometry, max_prompt_tokens
 from ..config import LynxQuantConfig
 from ..local import PromptCapture
-from ..quant import encode
+from ..quant import correction, encode
 from .auth import Channel, quote_peer
 from .prefix_cache import PrefixCache, layer_kv, token_digest
 from .serde import pack_logits, pack_segment, stream_bound
@@ -239,6 +240,10 @@ class _Prefill:
             raise RequestRefused(f"exact mode prefills a prompt in one forward pass, as plain generate's prefill does "
                                  f"(chunks round differently): {len(ids)} tokens exceed this server's --prefill-step "
                                  f"of {node.step}")
+        if self.cfg.exact and self.req.get("held"):
+            raise RequestRefused("exact mode computes a continued turn's new positions on the decode node over the "
+                                 "KV it holds, as Transformers' own turns do (DecodeClient does so): a held claim "
+                                 "with an exact codec is refused")
         self.held, self.refused = held_claim(self.req, ids, self.cfg, node.fp)
         if self.refused:
             log.warning("request %s: %s; shipping the whole prompt", self.rid, self.refused)
@@ -307,16 +312,17 @@ class _Prefill:
         """Queue one layer's KV (k, v: [B, H_kv, S, D] for prompt positions [start, start + S)) as SEGMENT frames
         of at most SEGMENT_TOKENS tokens (small frames keep strict priority responsive): K then V, each segment's
         anchor (priority 0), then its residual (priority 1), then in exact mode its correction (priority 2)."""
-        S = k.shape[2]
+        S, codes = k.shape[2], dataclasses.replace(self.cfg, exact=False)  # (the correction once they are queued)
         for kind, x in (("key", k), ("value", v)):
             for off in range(0, S, SEGMENT_TOKENS):
-                s = encode(x[:, :, off:off + SEGMENT_TOKENS].contiguous(), self.cfg, kind,
-                           layer=(layer, self.num_layers))
+                xs = x[:, :, off:off + SEGMENT_TOKENS].contiguous()
+                s = encode(xs, codes, kind, layer=(layer, self.num_layers))
                 self._queue(Stream.ANCHOR, pack_segment(layer, kind, start + off, s, "anchor"), PRIO_ANCHOR)
                 if s.residual is not None:
                     self._queue(Stream.RESIDUAL, pack_segment(layer, kind, start + off, s, "residual"),
                                 PRIO_RESIDUAL)
-                if s.correction is not None:
+                if self.cfg.exact:
+                    s.correction = correction(xs, s)
                     self._queue(Stream.CORRECTION, pack_segment(layer, kind, start + off, s, "correction"),
                                 PRIO_CORRECTION)
 

@@ -77,7 +77,9 @@ def _nixl_stage(geometry: dict, context: int) -> int:
     from .serde import stream_bound
 
     dtype = getattr(torch, geometry["dtype"])
-    return max(stream_bound(LynxQuantConfig(method=m), geometry, context, dtype) for m in METHODS)
+    configs = [LynxQuantConfig(method=m) for m in METHODS] + [LynxQuantConfig(method=m, exact=True)
+                                                              for m in ("lynx", "paper")]
+    return max(stream_bound(c, geometry, context, dtype) for c in configs)
 
 
 def describe_bounds(b: dict, slots: int, max_connections: int, max_inflight_mb: float) -> str:

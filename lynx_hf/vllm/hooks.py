@@ -204,6 +204,7 @@ class WorkerSide:
 
     def __init__(self, base_config: dict, secret: bytes, fingerprint: str, publisher: KVPublisher | None = None,
                  timeout_s: float = 60.0, upgrade_shadows: bool = True):
+        codec_config(base_config, "lynx")  # a bad base (exact mode among it) refused at setup, not in a forward
         self.base, self.secret, self.fp, self.publisher, self.timeout_s = base_config, secret, fingerprint, \
             publisher, timeout_s
         self.layers: list = []  # per layer, its paged KV tensor [NB, H, bs, 2D]

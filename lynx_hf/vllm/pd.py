@@ -58,6 +58,9 @@ class LynxPD:
                  secret: str | None = None, dtype: str = "float32", max_model_len: int = 4096,
                  block_size: int = 128, timeout_s: float = 60.0, shadow_release: tuple = (0.0, 0.5),
                  upgrade_shadows: bool = True, engine_kwargs: dict | None = None):
+        if quant is not None and quant.exact:
+            raise ValueError("exact=True is not served through the vLLM connector yet: use lynx-hf's own transfer "
+                             "(serve-prefill / DecodeClient) for exact mode")
         base = (quant or LynxQuantConfig()).to_dict()
         base.pop("method")
         self.port, self.draft_budget, self.timeout_s = port, draft_budget, timeout_s
