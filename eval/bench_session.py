@@ -223,6 +223,12 @@ def markdown(res: dict, cmd: str) -> list[str]:
                   f"INT8 delta's; bytes per shipped token {rat['bytes_per_token_delta_vs_whole']:.2f}× the whole "
                   f"history's. Every Lynx turn equal to the same KV decoded without drafts: "
                   f"**{rat['lynx_identical']}**."]
+    spread = [r["prefill_s"] for rows in arms.values() for r in rows[-1:]
+              if r.get("prefilled_on") == "prefill" and r["prefill_s"] and r["new_tokens"] < r["total_tokens"]]
+    if len(spread) > 1:
+        lines += ["", f"The prefill server's compute for the last turn (the same positions in every arm that placed it "
+                  f"there) took {min(spread):.2f}–{max(spread):.2f} s across arms: where two arms' TTFTs differ by "
+                  "less than that spread, this machine's load, not the codec, decided (each turn is prefill-bound)."]
     lines += ["", "TTFT per turn and arm:", "", "| arm | " + " | ".join(f"turn {r['turn']}" for r in
                                                                             next(iter(arms.values()))) + " |",
               "|---|" + "---:|" * len(next(iter(arms.values())))]
