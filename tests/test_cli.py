@@ -37,8 +37,9 @@ def test_codec_quality_json():
 def test_demo_two_processes(tmp_path):
     r = _run("demo", "--json", "--tokens", "128", "--new-tokens", "6", "--bandwidth-mbps", "50", "--out", str(tmp_path))
     assert r["lynx"]["identical_to_full"] is True
-    assert set(r["methods"]) == {"BF16", "INT8", "INT4 (KIVI-4)", "CacheGen", "Lynx",
+    assert set(r["methods"]) == {"BF16", "INT8", "INT4 (KIVI-4)", "CacheGen", "Lynx", "Lynx (exact)",
                                  "Lynx (no drafts: full-tier reference)"}
+    assert r["exact"]["identical_to_plain_generate"] is True  # exact mode = plain generate (here fp32)
     assert isinstance(r["prefill_bound"], bool)
     assert r["methods"]["BF16"]["bytes"] > r["methods"]["INT8"]["bytes"] > r["methods"]["INT4 (KIVI-4)"]["bytes"]
     assert r["methods"]["CacheGen"]["bytes"] < r["methods"]["INT4 (KIVI-4)"]["bytes"]
