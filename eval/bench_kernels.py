@@ -73,6 +73,34 @@ class _Recorder:
         return launch
 
 
+def _record(cfg, D: int, dtype, g, calls: list, seen: set, out: list, tag: str) -> None:
+    """Encode and dequantize (both tiers) one config, dtype and head dim at two lengths; each new distinct launch
+    into `out` with its bytes moved per value (the slope between the lengths: tables aside)."""
+    import torch
+
+    from lynx_hf import quant
+
+    runs = []
+    for S in (TOKENS, 2 * TOKENS):
+        x = torch.randn(1, 2, S, D, generator=g).to(dtype)
+        n0 = len(calls)
+        split = quant.encode(x, cfg, "key")
+        split.anchor.zero_()  # the recorder wrote no codes: give the decode pass valid ones
+        if split.residual is not None:
+            split.residual.zero_()
+        for tier in quant.TIERS:
+            quant.dequantize(split, tier)
+        runs.append((x.numel(), calls[n0:]))
+    tags = [f"{tag} encode"] + [f"{tag} decode {t}" for t in quant.TIERS]
+    (n1, c1), (n2, c2) = runs
+    for a, b, t in zip(c1, c2, tags):
+        mod, name, sig, ce, moved = a
+        key = (mod, name, sig, ce)
+        if key not in seen:
+            seen.add(key)
+            out.append(Launch(mod, name, sig, ce, (b[4] - moved) / (n2 - n1), t))
+
+
 def launches() -> list[Launch]:
     """Every distinct Triton launch the dispatch makes for the codecs that run on the Triton kernels."""
     import torch
@@ -80,7 +108,7 @@ def launches() -> list[Launch]:
     from lynx_hf import LynxQuantConfig, quant
     # internal: the axes a config may name, the Triton kernels themselves, and the dispatch that picks them (driven
     # here through its CUDA branch on CPU tensors)
-    from lynx_hf.config import AXES
+    from lynx_hf.config import ANCHOR_BITS, AXES
     from lynx_hf.kernels import dequantize as kdec, encode as kenc
     from lynx_hf.quant import dispatch
 
@@ -103,29 +131,12 @@ def launches() -> list[Launch]:
         g = torch.Generator().manual_seed(0)
         for method in triton_codecs:
             for axis in [a for a in AXES if a != "auto"]:
-                cfg = LynxQuantConfig(method=method, key_axis=axis, value_axis=axis)
-                for D in HEAD_DIMS:
-                    for dtype in quant.DTYPES:
-                        runs = []
-                        for S in (TOKENS, 2 * TOKENS):  # two lengths: bytes per value = the slope (tables aside)
-                            x = torch.randn(1, 2, S, D, generator=g).to(dtype)
-                            n0 = len(calls)
-                            split = quant.encode(x, cfg, "key")
-                            split.anchor.zero_()  # the recorder wrote no codes: give the decode pass valid ones
-                            if split.residual is not None:
-                                split.residual.zero_()
-                            for tier in quant.TIERS:
-                                quant.dequantize(split, tier)
-                            runs.append((x.numel(), calls[n0:]))
-                        tags = [f"{method} {axis} D={D} {str(dtype)[6:]} encode"] + \
-                               [f"{method} {axis} D={D} {str(dtype)[6:]} decode {t}" for t in quant.TIERS]
-                        (n1, c1), (n2, c2) = runs
-                        for a, b, tag in zip(c1, c2, tags):
-                            mod, name, sig, ce, moved = a
-                            key = (mod, name, sig, ce)
-                            if key not in seen:
-                                seen.add(key)
-                                out.append(Launch(mod, name, sig, ce, (b[4] - moved) / (n2 - n1), tag))
+                for bits in ANCHOR_BITS:  # a 4-bit anchor packs nibbles, 3 and 2 bits groups of 8 (other kernels)
+                    cfg = LynxQuantConfig(method=method, key_axis=axis, value_axis=axis, anchor_bits=bits)
+                    for D in HEAD_DIMS if bits == 4 else HEAD_DIMS[:1]:  # (narrow: one head dim, fp32 / bf16)
+                        for dtype in quant.DTYPES if bits == 4 else (torch.float32, torch.bfloat16):
+                            _record(cfg, D, dtype, g, calls, seen, out, f"{method} {axis} {bits}-bit D={D} "
+                                                                        f"{str(dtype)[6:]}")
     if not out:
         raise RuntimeError("the dispatch launched no Triton kernel")
     return out

@@ -71,9 +71,10 @@ def plot_timeline(runs: dict, path: Path, bandwidth_bps: float, prompt_tokens: i
 
 
 def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_json=False, out_dir="runs",
-        model_name=None, do_sample=False, methods=None, data_plane="tcp", port=None, dtype="float32"):
+        model_name=None, do_sample=False, methods=None, data_plane="tcp", port=None, dtype="float32",
+        anchor_bits=4):
     """methods: {row name: LynxQuantConfig} (default METHODS and "Lynx (exact)"; it must hold "BF16", "INT8",
-    "INT4 (KIVI-4)", "Lynx")."""
+    "INT4 (KIVI-4)", "Lynx"). anchor_bits: the default rows' Lynx anchor width."""
     say = printer(as_json, stderr=True)
     model, tok = lynx_hf.load_default_model(model_name, dtype=getattr(torch, dtype))
     text = open(prompt_file, encoding="utf-8", errors="replace").read() if prompt_file else default_prompt_text()
@@ -82,7 +83,8 @@ def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_jso
     runs = {}
     with prefill_child(model, bandwidth_bps, ids[:64], model_name, data_plane=data_plane, port=port,
                        server_args=("--dtype", dtype, "--prefill-step", str(max(1024, len(ids))))) as cli:
-        methods = methods or {**METHODS, EXACT: LynxQuantConfig(exact=True)}
+        methods = methods or {**METHODS, "Lynx": LynxQuantConfig(anchor_bits=anchor_bits),
+                              EXACT: LynxQuantConfig(exact=True, anchor_bits=anchor_bits)}
         plan = [(n, c, True) for n, c in methods.items()] + [
             ("Lynx (no drafts: full-tier reference)", methods["Lynx"], False)]
         gen = {"do_sample": True, "temperature": 0.7} if do_sample else {}
@@ -97,7 +99,7 @@ def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_jso
         plain = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)
         exact = runs[EXACT]["tokens"] == plain[0, len(ids):].tolist()
     say(f"\nprompt {len(ids)} tokens; prefill {runs['Lynx']['prefill_s']:.2f} s (overlapped with sending); "
-        f"link {bandwidth_bps / 1e6:.1f} Mbit/s")
+        f"link {bandwidth_bps / 1e6:.1f} Mbit/s; Lynx anchor {methods['Lynx'].anchor_bits} bits")
     say(f"{'method':40s} {'TTFT s':>7s} {'verified':>9s} {'TT32T s':>8s} {'MB':>7s} {'drafted/accepted':>17s}")
     for n, r in rows.items():
         say(f"{n:40s} {r['ttft_s']:7.2f} {r['ttft_verified_s']:9.2f} {r['tt32t_s']:8.2f} {r['bytes'] / 1e6:7.2f} "
@@ -116,7 +118,7 @@ def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_jso
     res = {"methods": {n: {k: rows[n][k] for k in ("ttft_s", "ttft_verified_s", "tt32t_s", "bytes")}
                        for n in rows},
            "lynx": {"drafted": rows["Lynx"]["drafted"], "accepted": rows["Lynx"]["accepted"], "identical_to_full": same,
-                    "verify_overlap_s": rows["Lynx"]["verify_overlap_s"]},
+                    "verify_overlap_s": rows["Lynx"]["verify_overlap_s"], "anchor_bits": methods["Lynx"].anchor_bits},
            "exact": None if EXACT not in rows else {"identical_to_plain_generate": exact, "dtype": dtype,
                                                     "bytes_vs_bf16": rows[EXACT]["bytes"] / rows["BF16"]["bytes"]},
            "do_sample": do_sample, "prefill_bound": prefill_bound, "data_plane": data_plane,

@@ -13,25 +13,25 @@
 
 /* The ABI kernels/cpu.py checks at load: bump LYNX_ABI whenever an entry point or an argument struct changes (the
  * Python side mirrors the structs field for field and compares their sizes too). */
-#define LYNX_ABI 2
+#define LYNX_ABI 3
 int lynx_abi(void) { return LYNX_ABI; }
 
 
-typedef struct {  /* lynx_encode_rows: x [BH, S, D] → anchor / residual codes [BH, S, D/2] */
+typedef struct {  /* lynx_encode_rows: x [BH, S, D] → anchor [BH, S, D·b/8] / residual [BH, S, D·(8−b)/8] codes */
     const void *x; int64_t dtype, S, D;
     const _Float16 *gmin, *gscale; int64_t NP, page;           /* page stage ("paper"), or NULL */
     const void *mu, *rho; int64_t stat_u8, token_axis, NC, chunk;
     const float *thr; int64_t nthr, sign_mag; float alpha, inv_l;
     const float *poly; int64_t npoly;                        /* y(|u|) polynomial, or npoly = 0 */
     const int32_t *grid; int64_t ngrid; float grid_lo, grid_scale;
-    uint8_t *anchor, *residual;
+    uint8_t *anchor, *residual; int64_t anchor_bits;         /* b: the anchor's top bits of each 8-bit code */
 } lynx_encode_args;
 typedef struct {  /* lynx_dequantize_rows: codes → x̂ in out_dtype, row (bh, s) at bh·out_bh_stride + s·D */
     const uint8_t *anchor, *residual;                        /* residual NULL: the anchor tier */
     const _Float16 *gmin, *gscale; int64_t NP, page;
     const void *mu, *rho; int64_t stat_u8, token_axis, chunk;
     const float *lut; int64_t S, D, out_dtype;
-    void *out; int64_t out_bh_stride;
+    void *out; int64_t out_bh_stride; int64_t anchor_bits;
 } lynx_dequantize_args;
 int64_t lynx_sizeof_encode_args(void) { return (int64_t)sizeof(lynx_encode_args); }
 int64_t lynx_sizeof_dequantize_args(void) { return (int64_t)sizeof(lynx_dequantize_args); }
@@ -360,12 +360,32 @@ static inline __attribute__((always_inline)) void encode_row16(const enc_args *a
 }
 #endif
 
+/* D codes of `bits` bits → D·bits/8 bytes: groups of g = 8/gcd(8, bits) codes, code i of a group in bits
+ * [bits·i, bits·i + bits) of the group's little-endian word (quant/pack.py's layout; bits 4: nibbles) */
+static inline int64_t group_of(int bits) { return bits == 4 ? 2 : bits == 2 || bits == 6 ? 4 : bits == 8 ? 1 : 8; }
+static void pack_row(const int32_t *v, int64_t D, int bits, int shift, int mask, uint8_t *out) {
+    const int64_t g = group_of(bits), nb = g * bits / 8;
+    for (int64_t j = 0; j < D; j += g) {
+        uint64_t w = 0;
+        for (int64_t i = 0; i < g; i++) w |= (uint64_t)((v[j + i] >> shift) & mask) << (bits * i);
+        for (int64_t k = 0; k < nb; k++) *out++ = (uint8_t)(w >> (8 * k));
+    }
+}
+static void unpack_row(const uint8_t *in, int64_t D, int bits, int32_t *v) {
+    const int64_t g = group_of(bits), nb = g * bits / 8;
+    for (int64_t j = 0; j < D; j += g) {
+        uint64_t w = 0;
+        for (int64_t k = 0; k < nb; k++) w |= (uint64_t)*in++ << (8 * k);
+        for (int64_t i = 0; i < g; i++) v[j + i] = (int32_t)((w >> (bits * i)) & ((1u << bits) - 1));
+    }
+}
+
 /* encode_codes twin for rows [r0, r1) of [BH·S]: u = ((x − γ_min)/γ_scale − μ)/σ, code = #thresholds <= u (or
  * <= |u| + 128·[u < 0] for sign-magnitude). With AVX-512 and alpha >= 0 the code comes from encode_row16 above (exact
  * search for flagged lanes); else through `grid`: grid[i] = #thresholds below bin i of a uniform grid fine enough
  * that at most two thresholds can lie in a bin (checked in Python when the grid is built), then at most two
- * comparisons. thr holds nthr thresholds followed by two +inf. Codes split into the anchor (high nibble) and
- * residual (low nibble), two codes a byte, even channel in the low nibble. */
+ * comparisons. thr holds nthr thresholds followed by two +inf. Codes split into the anchor (top b bits) and the
+ * residual (the other 8 − b), each packed by pack_row (b = 4: two codes a byte, even channel in the low nibble). */
 void lynx_encode_rows(const lynx_encode_args *args, int64_t r0, int64_t r1) {
     const void *x = args->x; const int dtype = args->dtype; const int64_t S = args->S, D = args->D;
     const f16 *gmin = args->gmin, *gscale = args->gscale; const int64_t NP = args->NP, page = args->page;
@@ -375,13 +395,14 @@ void lynx_encode_rows(const lynx_encode_args *args, int64_t r0, int64_t r1) {
     const float *poly = args->poly; const int npoly = args->npoly; const int32_t *grid = args->grid;
     const int64_t ngrid = args->ngrid; const float grid_lo = args->grid_lo, grid_scale = args->grid_scale;
     uint8_t *anchor = args->anchor, *residual = args->residual;
+    const int bits = (int)args->anchor_bits, low = 8 - bits;
     float buf[LYNX_MAX_D], u[LYNX_MAX_D];
     int32_t code[LYNX_MAX_D];
     const float k = stat_u8 ? (float)(1.0 / 255) : 1.0f;
     (void)NC;
     (void)nthr;
 #ifdef LYNX_AVX512
-    if (alpha >= 0.0f && D % 16 == 0) {  /* everything in registers; same fp32 operations as below */
+    if (alpha >= 0.0f && D % 16 == 0 && bits == 4) {  /* everything in registers; same fp32 operations as below */
         const int64_t nc = (S + chunk - 1) / chunk;
         const enc_args ea = {x, dtype, gmin, gscale, mu, rho, stat_u8, token_axis, sign_mag, k, alpha, inv_l, poly,
                              npoly, thr, grid, ngrid, grid_lo, grid_scale};
@@ -418,18 +439,14 @@ void lynx_encode_rows(const lynx_encode_args *args, int64_t r0, int64_t r1) {
                 for (int64_t d = 0; d < D; d++) u[d] = (v[d] - (float)m[d]) / (float)q[d];
             }
         }
-        uint8_t *oa = anchor + r * (D / 2), *orr = residual + r * (D / 2);
         for (int64_t d = 0; d < D; d++) code[d] = code_grid(u[d], thr, sign_mag, grid, ngrid, grid_lo, grid_scale);
-        for (int64_t j = 0; j < D / 2; j++) {
-            int32_t lo = code[2 * j], hi = code[2 * j + 1];
-            oa[j] = (uint8_t)((lo >> 4) | ((hi >> 4) << 4));
-            orr[j] = (uint8_t)((lo & 15) | ((hi & 15) << 4));
-        }
+        pack_row(code, D, bits, low, (1 << bits) - 1, anchor + r * (D * bits / 8));
+        pack_row(code, D, low, 0, (1 << low) - 1, residual + r * (D * low / 8));
     }
 }
 
-/* dequantize_codes twin for rows [r0, r1): x̂ = γ_min + γ_scale·(μ + σ·LUT[code]), code = anchor nibble (residual
- * NULL, 16-entry lut) or 16·anchor + residual (256-entry lut); out in out_dtype, row (bh, s) at element
+/* dequantize_codes twin for rows [r0, r1): x̂ = γ_min + γ_scale·(μ + σ·LUT[code]), code = the b-bit anchor (residual
+ * NULL, 2^b-entry lut) or anchor·2^(8−b) + residual (256-entry lut); out in out_dtype, row (bh, s) at element
  * bh·out_bh_stride + s·D (a slice of a longer buffer along S, or contiguous with out_bh_stride = S·D). */
 void lynx_dequantize_rows(const lynx_dequantize_args *args, int64_t r0, int64_t r1) {
     const uint8_t *anchor = args->anchor, *residual = args->residual;
@@ -437,12 +454,13 @@ void lynx_dequantize_rows(const lynx_dequantize_args *args, int64_t r0, int64_t 
     const void *mu = args->mu, *rho = args->rho; const int stat_u8 = args->stat_u8, token_axis = args->token_axis;
     const int64_t chunk = args->chunk; const float *lut = args->lut; const int64_t S = args->S, D = args->D;
     const int out_dtype = args->out_dtype; void *out = args->out; const int64_t out_bh_stride = args->out_bh_stride;
-    int32_t code[LYNX_MAX_D];
+    const int bits = (int)args->anchor_bits, low = 8 - bits;
+    int32_t code[LYNX_MAX_D], rest[LYNX_MAX_D];
     float xn[LYNX_MAX_D];
     const float k = stat_u8 ? (float)(1.0 / 255) : 1.0f;
     const int64_t NC = (S + chunk - 1) / chunk;
 #ifdef LYNX_AVX512
-    if (D % 16 == 0) {  /* table lookups by permutes (16-entry: one vpermps; 256: eight vpermi2ps + selects) */
+    if (D % 16 == 0 && bits == 4) {  /* table lookups by permutes (16-entry: one vpermps; 256: eight vpermi2ps + selects) */
         const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
         const __m512i shift = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
         const __m512i m15 = _mm512_set1_epi32(15);
@@ -500,15 +518,10 @@ void lynx_dequantize_rows(const lynx_dequantize_args *args, int64_t r0, int64_t 
     for (int64_t r = r0; r < r1; r++) {
         int64_t bh = r / S, s = r % S;
         const int64_t o = bh * out_bh_stride + s * D;
-        const uint8_t *a = anchor + r * (D / 2);
+        unpack_row(anchor + r * (D * bits / 8), D, bits, code);
         if (residual) {
-            const uint8_t *q = residual + r * (D / 2);
-            for (int64_t j = 0; j < D / 2; j++) {
-                code[2 * j] = ((a[j] & 15) << 4) | (q[j] & 15);
-                code[2 * j + 1] = (a[j] & 0xf0) | (q[j] >> 4);
-            }
-        } else {
-            for (int64_t j = 0; j < D / 2; j++) { code[2 * j] = a[j] & 15; code[2 * j + 1] = a[j] >> 4; }
+            unpack_row(residual + r * (D * low / 8), D, low, rest);
+            for (int64_t d = 0; d < D; d++) code[d] = (code[d] << low) | rest[d];
         }
         if (token_axis) {
             const float m = stat(mu, stat_u8, r, k), q = stat(rho, stat_u8, r, k);

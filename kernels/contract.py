@@ -10,11 +10,20 @@ import torch
 FP16_MAX = 65504.0  # the range of the fp16 page metadata
 
 
-def check_out(out: torch.Tensor, anchor: torch.Tensor, out_dtype: torch.dtype) -> None:
-    want = (*anchor.shape[:3], 2 * anchor.shape[3])
+def check_out(out: torch.Tensor, anchor: torch.Tensor, out_dtype: torch.dtype, anchor_bits: int = 4) -> None:
+    """`out` [B, H, S, D] for an anchor of [B, H, S, D·anchor_bits/8] packed codes."""
+    want = (*anchor.shape[:3], 8 * anchor.shape[3] // anchor_bits)
     if tuple(out.shape) != want or out.dtype != out_dtype or out.device != anchor.device:
         raise ValueError(f"dequantize: out must be {want} {out_dtype} on {anchor.device}, got {tuple(out.shape)} "
                          f"{out.dtype} on {out.device}")
+
+
+def check_width(D: int, bits: int) -> None:
+    """An anchor of `bits` ∈ {2, 3, 4} over D channels packs into whole groups (quant/pack.py's rule)."""
+    group = {2: 4, 3: 8, 4: 2}.get(bits)
+    if group is None or D % group:
+        raise ValueError(f"encode: anchors of 2, 3 or 4 bits pack whole groups of channels (2 bits: 4, 3 bits: 8, "
+                         f"4 bits: 2); got {bits} bits for head_dim {D}")
 
 
 def check_ranges(lo: torch.Tensor, hi: torch.Tensor) -> None:

@@ -36,7 +36,7 @@ MAX_D = 1024  # LYNX_MAX_D in codec_cpu.c
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 MIN_ROWS_PER_THREAD = 256  # below this a second thread costs more than it saves
 
-ABI = 2  # LYNX_ABI in codec_cpu.c
+ABI = 3  # LYNX_ABI in codec_cpu.c
 BUILD_TIMEOUT_S = 180
 _i64, _int, _f32, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
@@ -49,7 +49,7 @@ class EncodeArgs(ctypes.Structure):
                 ("thr", _p), ("nthr", _i64), ("sign_mag", _i64), ("alpha", _f32), ("inv_l", _f32),
                 ("poly", _p), ("npoly", _i64),
                 ("grid", _p), ("ngrid", _i64), ("grid_lo", _f32), ("grid_scale", _f32),
-                ("anchor", _p), ("residual", _p)]
+                ("anchor", _p), ("residual", _p), ("anchor_bits", _i64)]
 
 
 class DequantizeArgs(ctypes.Structure):
@@ -58,7 +58,7 @@ class DequantizeArgs(ctypes.Structure):
                 ("gmin", _p), ("gscale", _p), ("NP", _i64), ("page", _i64),
                 ("mu", _p), ("rho", _p), ("stat_u8", _i64), ("token_axis", _i64), ("chunk", _i64),
                 ("lut", _p), ("S", _i64), ("D", _i64), ("out_dtype", _i64),
-                ("out", _p), ("out_bh_stride", _i64)]
+                ("out", _p), ("out_bh_stride", _i64), ("anchor_bits", _i64)]
 
 
 _SIGNATURES = {
@@ -224,6 +224,13 @@ def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 
 
+def _check_width(D: int, bits: int) -> None:
+    """The anchor widths codec_cpu.c packs (2, 3, 4 bits; the residual the rest), D in whole packed groups."""
+    if bits not in (2, 3, 4) or D % (8 if bits == 3 else 4 if bits == 2 else 2):
+        raise ValueError(f"the C kernels pack anchors of 2, 3 or 4 bits over whole groups of channels; got "
+                         f"{bits} bits for head_dim {D}")
+
+
 def _check(x: torch.Tensor, name: str) -> None:
     if x.device.type != "cpu" or x.dtype not in DTYPE_CODE or x.shape[-1] > MAX_D or x.shape[-1] % 2:
         raise ValueError(f"{name}: the CPU kernel takes float32/16/bf16 CPU tensors with an even last dim "
@@ -305,16 +312,17 @@ def _poly(alpha: float) -> torch.Tensor | None:
 
 
 def encode_codes_cpu(x, gmin, gscale, mu, rho, thr, *, axis: str, page: int, chunk: int, sign_magnitude: bool,
-                     alpha: float | None = None):
-    """Same contract as lynx_hf.quant.lynx.encode_codes. x: [B, H, S, D] → (anchor, residual) [B, H, S, D/2]
-    uint8. With alpha (and AVX-512) codes come from the companded position, the lanes next to a code edge from
-    the threshold grid; alpha None: the grid for every value."""
+                     alpha: float | None = None, anchor_bits: int = 4):
+    """Same contract as lynx_hf.quant.lynx.encode_codes. x: [B, H, S, D] → (anchor [B, H, S, D·b/8], residual
+    [B, H, S, D·(8−b)/8]) uint8, b = anchor_bits. With alpha (AVX-512, b = 4) codes come from the companded
+    position, the lanes next to a code edge from the threshold grid; else the grid for every value."""
     _check(x, "encode_codes_cpu")
     B, H, S, D = x.shape
+    _check_width(D, anchor_bits)
     x = x.contiguous()
     thr_p, grid, glo, gscale_ = _grid(thr.float().contiguous().numpy().tobytes())
-    anchor = _empty((B, H, S, D // 2), torch.uint8)
-    residual = _empty((B, H, S, D // 2), torch.uint8)
+    anchor = _empty((B, H, S, D * anchor_bits // 8), torch.uint8)
+    residual = _empty((B, H, S, D * (8 - anchor_bits) // 8), torch.uint8)
     gmin_c, gscale_c = (None, None) if gmin is None else (gmin.contiguous(), gscale.contiguous())
     mu, rho = mu.contiguous(), rho.contiguous()
     NP = 1 if gmin is None else gmin_c.shape[2]
@@ -326,28 +334,30 @@ def encode_codes_cpu(x, gmin, gscale, mu, rho, thr, *, axis: str, page: int, chu
                       mu.data_ptr(), rho.data_ptr(), int(mu.dtype == torch.uint8), int(axis == "token"), NC, chunk,
                       thr_p.data_ptr(), thr.numel(), int(sign_magnitude), a_, inv_l,
                       _ptr(poly), 0 if poly is None else poly.numel(),
-                      grid.data_ptr(), grid.numel(), glo, gscale_, anchor.data_ptr(), residual.data_ptr())
+                      grid.data_ptr(), grid.numel(), glo, gscale_, anchor.data_ptr(), residual.data_ptr(),
+                      anchor_bits)
     lib = _lib()
     _parallel(lambda a, b: lib.lynx_encode_rows(ctypes.byref(args), a, b), B * H * S, MIN_ROWS_PER_THREAD)
     return anchor, residual
 
 
 def dequantize_codes_cpu(anchor, residual, gmin, gscale, mu, rho, lut, *, axis: str, page: int, chunk: int,
-                         out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+                         out_dtype: torch.dtype, out: torch.Tensor | None = None, anchor_bits: int = 4) -> torch.Tensor:
     """Same contract as lynx_hf.quant.lynx.dequantize_codes; a given `out` whose rows are contiguous (a slice of a
     cache's [B, H, T, D] buffer along T, say) is written in place, any other through a copy."""
     B, H, S, HD = anchor.shape
-    D = 2 * HD
+    D = 8 * HD // anchor_bits
+    _check_width(D, anchor_bits)
     if out_dtype not in DTYPE_CODE or D > MAX_D:
         raise ValueError(f"dequantize_codes_cpu: unsupported out_dtype {out_dtype} or head_dim {D}")
     if out is not None:
         from .contract import check_out
 
-        check_out(out, anchor, out_dtype)
+        check_out(out, anchor, out_dtype, anchor_bits)
         st = out.stride()
         if not (st[3] == 1 and st[2] == D and (B == 1 or st[0] == H * st[1])):
             return out.copy_(dequantize_codes_cpu(anchor, residual, gmin, gscale, mu, rho, lut, axis=axis, page=page,
-                                                  chunk=chunk, out_dtype=out_dtype))
+                                                  chunk=chunk, out_dtype=out_dtype, anchor_bits=anchor_bits))
         dst, bh_stride = out, st[1]
     else:
         dst, bh_stride = _empty((B, H, S, D), out_dtype), S * D
@@ -358,7 +368,7 @@ def dequantize_codes_cpu(anchor, residual, gmin, gscale, mu, rho, lut, *, axis: 
     NP = 1 if gmin is None else gmin_c.shape[2]
     args = DequantizeArgs(anchor.data_ptr(), _ptr(residual), _ptr(gmin_c), _ptr(gscale_c), NP, page, mu.data_ptr(),
                       rho.data_ptr(), int(mu.dtype == torch.uint8), int(axis == "token"), chunk, lut.data_ptr(), S, D,
-                      DTYPE_CODE[out_dtype], dst.data_ptr(), bh_stride)
+                      DTYPE_CODE[out_dtype], dst.data_ptr(), bh_stride, anchor_bits)
     lib = _lib()
     _parallel(lambda a, b: lib.lynx_dequantize_rows(ctypes.byref(args), a, b), B * H * S, MIN_ROWS_PER_THREAD)
     return dst

@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from lynx_hf.transfer.commands import DTYPE_HELP, DTYPES, MODEL_HELP, HelpFormatter
+from lynx_hf.transfer.commands import ANCHOR_BITS_HELP, DTYPE_HELP, DTYPES, MODEL_HELP, HelpFormatter
 
 JSON_HELP = "print only the final JSON line"
 NIXL_EXTRA = "pip install 'lynx-hf[nixl]'"
@@ -33,14 +33,19 @@ def _add_eval(sub) -> None:
 def _codec_quality(a):
     from lynx_hf.eval import data
 
-    data.require("codec-quality", a.text, needs_text=True)
-    from lynx_hf.eval import codec_quality
+    data.require("codec-quality", a.text, needs_text=True, needs_mmlu=a.widths)
+    from lynx_hf.eval import anchor_widths, codec_quality
     from lynx_hf.eval.harness import final_line, printer
 
     lines = []
     emit = printer(a.json)
-    res = codec_quality.run(a.text or data.shakespeare(), contexts=tuple(a.contexts), gen=a.gen,
-                            ablation=not a.no_ablation, model_name=a.model, out=lambda s: (lines.append(s), emit(s)))
+    out = lambda s: (lines.append(s), emit(s))
+    if a.widths:
+        res = anchor_widths.run(tokens=a.contexts[0] if a.contexts else 1024, gen=a.gen or 48, model_name=a.model,
+                                out=out)
+    else:
+        res = codec_quality.run(a.text or data.shakespeare(), contexts=tuple(a.contexts or (512, 1024, 2048, 4096)),
+                                gen=a.gen or 32, ablation=not a.no_ablation, model_name=a.model, out=out)
     if a.markdown:
         with open(a.markdown, "w") as f:
             f.write("\n".join(lines) + "\n")
@@ -52,10 +57,14 @@ def _add_codec_quality(sub) -> None:
 
     q = subcommand(sub, "codec-quality", "KV codec quality on real KV of the default model")
     q.add_argument("--text", help="text file for the contexts (default: shared tinyshakespeare)")
-    q.add_argument("--contexts", type=tokens(), nargs="+", default=[512, 1024, 2048, 4096], help="context lengths in tokens")
-    q.add_argument("--gen", type=tokens(hi=4096), default=32, help="teacher-forced tokens")
+    q.add_argument("--contexts", type=tokens(), nargs="+", help="context lengths in tokens (default 512 1024 2048 "
+                                                                "4096; --widths: one prompt length, default 1024)")
+    q.add_argument("--gen", type=tokens(hi=4096), help="teacher-forced tokens (default 32; --widths: 48)")
     q.add_argument("--model", help=MODEL_HELP)
     q.add_argument("--no-ablation", action="store_true", help="skip the codec ablation (γ, μ/σ, α-law one at a time)")
+    q.add_argument("--widths", action="store_true",
+                   help="instead: the Lynx anchor at 4, 3 and 2 bits against a plain code of each width on prose, "
+                        "Python, JSON and many-shot QA (needs the shared MMLU-Pro questions)")
     q.add_argument("--markdown", help="also write the tables to this file")
     q.add_argument("--json", action="store_true", help=JSON_HELP)
     q.set_defaults(fn=_codec_quality)
@@ -80,7 +89,7 @@ def _demo(a):
 
     plane_or_exit(a)
     demo.run(a.prompt_file, a.tokens, a.bandwidth_mbps * 1e6, a.new_tokens, a.json, a.out, a.model, a.do_sample,
-             data_plane=a.data_plane, port=a.port, dtype=a.dtype)
+             data_plane=a.data_plane, port=a.port, dtype=a.dtype, anchor_bits=a.anchor_bits)
 
 
 def _add_demo(sub) -> None:
@@ -100,6 +109,7 @@ def _add_demo(sub) -> None:
                         f"TCP unless $UCX_TLS / $UCX_NET_DEVICES are set)")
     d.add_argument("--port", type=count(65535), help=PORT_HELP)
     d.add_argument("--dtype", choices=DTYPES, default="float32", help=DTYPE_HELP)
+    d.add_argument("--anchor-bits", type=count(4, lo=2), default=4, help=ANCHOR_BITS_HELP + " (the Lynx rows)")
     d.set_defaults(fn=_demo)
 
 

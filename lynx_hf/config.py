@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-METHODS = ("lynx", "paper", "bf16", "int8", "kivi4", "kivi2", "cachegen", "identity")
+METHODS = ("lynx", "paper", "bf16", "int8", "kivi4", "kivi3", "kivi2", "cachegen", "identity")
 ANCHORS = ("centroid", "center", "paper")
 AXES = ("auto", "channel", "token")
+ANCHOR_BITS = (2, 3, 4)
 CONFIG_NAME = "lynx_config.json"
 
 
@@ -21,7 +22,7 @@ class LynxQuantConfig:
     """The KV codec.
 
     method:     "lynx" (offset-binary companded code, the default), "paper" (sign-magnitude α-law, as published),
-                or a baseline with the same API: "bf16", "int8", "kivi4", "kivi2", "cachegen" (CacheGen: per-token
+                or a baseline with the same API: "bf16", "int8", "kivi4", "kivi3", "kivi2", "cachegen" (CacheGen: per-token
                 quantization with depth-dependent bins, then arithmetic coding; quant/cachegen.py), "identity"
                 (lossless passthrough).
     alpha:      α of the α-law compander y = ln(1+α|u|)/ln(1+α); 0 means linear.
@@ -31,8 +32,12 @@ class LynxQuantConfig:
     key_axis / value_axis: direction of the chunk stage: "channel" (C tokens of one channel share μ/σ),
                 "token" (the D channels of one token share μ/σ) or "auto" (chosen per tensor from its outlier
                 structure, see quant.lynx.choose_axis; keys come out "channel", values mostly "token").
-    anchor:     how a 4-bit anchor is reconstructed alone: "center" (its grid point, default), "centroid"
-                (mean of its fine cells) or "paper" (code 16a+7, the published +7 bias).
+    anchor:     how an anchor is reconstructed alone: "center" (its grid point, default), "centroid"
+                (mean of its fine cells) or "paper" (code 16a+7 at 4 bits, the published +7 bias).
+    anchor_bits: "lynx" / "paper": the anchor's width b ∈ {2, 3, 4} (default 4): the anchor stream carries the top b
+                bits of the 8-bit code, the residual the other 8 − b (the full tier is 8 bits at every width; "lynx"
+                nests its code so that the b-bit anchor is itself a rounded b-bit code: quant/tables.py). A narrower
+                anchor reaches the decode side sooner and drafts on coarser KV (docs/codec.md gives its KL).
     group_size: group of the uniform baselines (KIVI: tokens per channel group for keys, channels for values).
     exact:      "lynx" / "paper" only: a third, lowest-priority stream carries the correction from the 8-bit
                 reconstruction to the KV's own bits (quant/exact.py), so the full tier is the model's KV bit for bit
@@ -49,6 +54,7 @@ class LynxQuantConfig:
     anchor: str = "center"
     group_size: int = 64
     exact: bool = False
+    anchor_bits: int = 4
 
     def __post_init__(self):
         def bad(msg):
@@ -74,6 +80,11 @@ class LynxQuantConfig:
         if self.exact and self.method not in ("lynx", "paper"):
             bad(f"exact=True takes method 'lynx' or 'paper' (it corrects their 8-bit code), got {self.method!r}"
                 + (": the identity codec is exact already" if self.method == "identity" else ""))
+        if isinstance(self.anchor_bits, bool) or self.anchor_bits not in ANCHOR_BITS:
+            bad(f"anchor_bits must be one of {ANCHOR_BITS}, got {self.anchor_bits!r}")
+        if self.anchor_bits != 4 and self.method not in ("lynx", "paper"):
+            bad(f"anchor_bits applies to method 'lynx' or 'paper' (their 8-bit code splits into an anchor and a "
+                f"residual); {self.method!r} has one stream")
         if self.method == "paper" and self.anchor != "paper":
             object.__setattr__(self, "anchor", "paper")  # the published scheme has one anchor rule
 
@@ -83,10 +94,13 @@ class LynxQuantConfig:
         return self.key_axis if kind == "key" else self.value_axis
 
     def to_dict(self) -> dict:
-        """The fields (`exact` only when set: a default config's dict, and the digests over it, stay as they were)."""
+        """The fields (`exact` only when set, `anchor_bits` only when not 4: a default config's dict, and the digests
+        over it, stay as they were)."""
         d = dataclasses.asdict(self)
         if not self.exact:
             del d["exact"]
+        if self.anchor_bits == 4:
+            del d["anchor_bits"]
         return d
 
     @classmethod
@@ -174,6 +188,15 @@ class SpecConfig:
     tree_cutoff: float = 10.0
     verify_lead: float = 3.0
     max_draft_tokens: int | None = None  # deprecated alias of max_draft_steps
+
+    @classmethod
+    def for_anchor(cls, bits: int = 4, **overrides) -> "SpecConfig":
+        """The defaults for an anchor of `bits` bits: a 4-bit anchor's are the class's; a 3- or 2-bit anchor is
+        less often right, so its tree is scored less sharply (tree_temperature 0.3) and kept wider (16 frontier
+        nodes, up to 512 verified) — measured on many-shot prompts the acceptance check does not use
+        (docs/drafting.md). `overrides` win."""
+        narrow = {} if bits == 4 else {"tree_temperature": 0.3, "tree_width": 16, "verify_nodes": 512}
+        return cls(**{**narrow, **overrides})
 
     def __post_init__(self):
         if self.max_draft_tokens is not None:

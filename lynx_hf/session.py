@@ -178,7 +178,7 @@ class LocalLink:
 
         ids, max_new = check_turn(self.model, self.vocab, self.context, input_ids, max_new_tokens, cache)
         cfg = cache.quant_config if cache is not None and quant_config is None else quant_config or LynxQuantConfig()
-        spec = spec_config or SpecConfig(max_draft_steps=64 if speculative else 0)
+        spec = spec_config or SpecConfig.for_anchor(cfg.anchor_bits, max_draft_steps=64 if speculative else 0)
         with self._lock:
             t0 = time.perf_counter()
             keep = keep_cache or cache is not None

@@ -18,7 +18,8 @@ def launches():
 
 def test_the_launches_cover_every_option_the_dispatch_has(launches):
     """What the dispatch can launch, seen from the launches: both kernels, page on/off, both axes, sign-magnitude
-    on/off, anchor-only and full, every input and output dtype, every head dimension's block."""
+    on/off, anchor-only and full, every input and output dtype, every head dimension's block, and the group-packing
+    kernels of 3- and 2-bit anchors."""
     enc = [dict(l.signature) | dict(l.constexprs) for l in launches if l.kernel == "_encode_kernel"]
     dec = [dict(l.signature) | dict(l.constexprs) for l in launches if l.kernel == "_dequantize_kernel"]
     assert enc and dec
@@ -29,6 +30,11 @@ def test_the_launches_cover_every_option_the_dispatch_has(launches):
     assert {d["HAS_RES"] for d in dec} == {False, True} and {d["HAS_PAGE"] for d in dec} == {False, True}
     assert {e["HALF_D"] for e in enc} == {D // 2 for D in bk.HEAD_DIMS}
     assert {e["STAT_UNIT"] for e in enc} == {1.0, 1.0 / 255}  # fp16 chunk stats ("lynx"), uint8 ("paper")
+    for kernel in ("_encode_groups_kernel", "_dequantize_groups_kernel"):  # anchors of 3 and 2 bits
+        narrow = [dict(l.signature) | dict(l.constexprs) for l in launches if l.kernel == kernel]
+        assert {n["ABITS"] for n in narrow} == {2, 3}, kernel
+        assert {(n.get("HAS_PAGE"), n.get("TOKEN_AXIS")) for n in narrow} == \
+            {(p, t) for p in (False, True) for t in (False, True)}
 
 
 def test_every_launch_compiles_for_ampere_and_hopper_without_spills(launches):

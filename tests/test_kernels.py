@@ -16,28 +16,41 @@ from lynx_hf.kernels import cpu  # noqa: E402
 from lynx_hf.quant.tables import tables  # noqa: E402
 
 CFGS = [Q(), Q(key_axis="token"), Q.paper(), Q.paper(key_axis="token", page_size=64, chunk_size=16)]
+NARROW = [Q(anchor_bits=3), Q(anchor_bits=2, key_axis="token"), Q.paper(anchor_bits=3, key_axis="token"),
+          Q.paper(anchor_bits=2)]  # anchors of 3 and 2 bits: the group-packing kernels
 ULP = {torch.float32: 0.0, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
 
 
 DEVICE = os.environ.get("LYNX_TEST_DEVICE", "cpu")  # eval/gpu_check.sh runs these on "cuda" (real Triton)
 
 
-def sample(S, dtype, seed=0):
+def sample(S, dtype, seed=0, D=64):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(2, 3, S, 64, generator=g) * torch.linspace(0.3, 3, 64)
+    x = torch.randn(2, 3, S, D, generator=g) * torch.linspace(0.3, 3, D)
     x[:, :, 0] *= 20
     return x.to(dtype=dtype, device=DEVICE)
 
 
-@pytest.mark.parametrize("cfg", CFGS, ids=["lynx-ch", "lynx-tok", "paper-ch", "paper-tok"])
+@pytest.mark.parametrize("cfg", CFGS + NARROW, ids=["lynx-ch", "lynx-tok", "paper-ch", "paper-tok", "lynx3-ch",
+                                                 "lynx2-tok", "paper3-tok", "paper2-ch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("S", [1, 77])
 def test_triton_matches_reference(cfg, dtype, S):
+    _triton_vs_reference(cfg, sample(S, dtype), dtype)
+
+
+@pytest.mark.parametrize("bits,D", [(2, 20), (3, 40), (2, 128), (3, 96)])
+def test_triton_narrow_anchor_odd_widths(bits, D):
+    """Group packing over head dims that leave a partial (2 bits: D = 20) or a non-power-of-two count of groups."""
+    for cfg in (Q(anchor_bits=bits), Q.paper(anchor_bits=bits)):
+        _triton_vs_reference(cfg, sample(33, torch.float32, D=D), torch.float32)
+
+
+def _triton_vs_reference(cfg, x, dtype):
     pytest.importorskip("triton")
     from lynx_hf.kernels import dequantize_codes_triton, encode_codes_triton
 
     k = dataclasses.replace(L.REFERENCE, encode_codes=encode_codes_triton, dequantize_codes=dequantize_codes_triton)
-    x = sample(S, dtype)
     ref = L.encode(x, cfg, "key")
     tri = L.encode(x, cfg, "key", k)
     assert torch.equal(ref.anchor, tri.anchor) and torch.equal(ref.residual, tri.residual)
@@ -101,6 +114,19 @@ def test_c_kernels_match_reference_exactly(c_kernels, cfg, dtype, shape):
             assert a.dtype == b.dtype and torch.equal(a, b), tier
 
 
+@pytest.mark.parametrize("cfg", NARROW, ids=["lynx3-ch", "lynx2-tok", "paper3-tok", "paper2-ch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 3, 77, 64), (1, 2, 300, 128), (1, 2, 65, 48), (1, 2, 33, 40)])
+def test_c_kernels_narrow_anchor_match_reference_exactly(c_kernels, cfg, dtype, shape):
+    """Anchors of 3 and 2 bits (the portable group-packing loops in both builds): codes, packed bytes and both
+    tiers' values equal the torch twin's exactly."""
+    test_c_kernels_match_reference_exactly(c_kernels, cfg, dtype, shape)
+
+
+def test_c_kernels_two_bit_anchor_over_a_partial_group(c_kernels):
+    test_c_kernels_match_reference_exactly(c_kernels, Q(anchor_bits=2), torch.float32, (1, 2, 33, 20))
+
+
 def test_c_minmax_and_range_stats_match_reference(c_kernels):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 3, 130, 64, generator=g) * 5
@@ -116,12 +142,13 @@ def test_c_minmax_and_range_stats_match_reference(c_kernels):
         assert a.dtype == b.dtype == torch.float16 and torch.equal(a, b)
 
 
+@pytest.mark.parametrize("bits", [4, 3, 2])
 @pytest.mark.parametrize("method,alpha", [("lynx", 0.5), ("lynx", 0.0), ("lynx", 3.0), ("lynx", 40.0),
                                           ("paper", 255.0), ("paper", 0.0)])
-def test_c_codes_exact_at_every_threshold(c_kernels, method, alpha):
+def test_c_codes_exact_at_every_threshold(c_kernels, method, alpha, bits):
     """u on, just above and just below each threshold (and its mirror), plus dense random u: the arithmetic code
-    path must agree with the threshold count everywhere, edges included."""
-    thr, _, _ = tables(method, alpha, "center" if method == "lynx" else "paper")
+    path must agree with the threshold count everywhere, edges included, at every anchor width."""
+    thr, _, _ = tables(method, alpha, "center" if method == "lynx" else "paper", bits)
     up, down = torch.tensor(float("inf")), torch.tensor(-float("inf"))
     u = torch.cat([thr, thr.nextafter(up), thr.nextafter(down), -thr, (-thr).nextafter(torch.tensor(0.0)),
                    torch.rand(100_000, generator=torch.Generator().manual_seed(2)) * 2.2 - 1.1,
@@ -129,8 +156,9 @@ def test_c_codes_exact_at_every_threshold(c_kernels, method, alpha):
     u = torch.cat([u, torch.zeros((-u.numel()) % 64)]).view(1, 1, -1, 64)
     S = u.shape[2]
     mu, rho = torch.zeros(1, 1, S, dtype=torch.float16), torch.ones(1, 1, S, dtype=torch.float16)
-    args = dict(axis="token", page=256, chunk=64, sign_magnitude=method == "paper")
+    args = dict(axis="token", page=256, chunk=64, sign_magnitude=method == "paper", anchor_bits=bits)
     ref = L.encode_codes(u, None, None, mu, rho, thr, **args, alpha=None)
+    assert torch.equal(ref[0], L.encode_codes(u, None, None, mu, rho, thr, **args, alpha=alpha)[0])  # torch fast
     got = c_kernels.encode_codes(u, None, None, mu, rho, thr, **args, alpha=alpha)
     assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
 
@@ -178,7 +206,7 @@ def test_c_build_checks_its_abi_and_bounds_the_compiler(monkeypatch, tmp_path):
 
     monkeypatch.setenv("LYNX_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu, "ABI", 999)
-    with pytest.raises(RuntimeError, match="ABI 2 .* expected ABI 999"):
+    with pytest.raises(RuntimeError, match="ABI 3 .* expected ABI 999"):
         cpu._build()
     monkeypatch.setattr(cpu, "BUILD_TIMEOUT_S", 0.5)
     monkeypatch.setenv("CC", f"{sys.executable} -c 'import time; time.sleep(30)'")

@@ -4,12 +4,14 @@ import torch
 
 from lynx_hf import LynxQuantConfig as Q
 from lynx_hf import quant
+from lynx_hf.errors import ConfigError
 from lynx_hf.quant import lynx as L
-from lynx_hf.quant.pack import join_codes, pack2, pack4, split_codes, unpack2, unpack4
+from lynx_hf.quant.pack import join_codes, pack2, pack4, pack_bits, split_codes, unpack2, unpack4, unpack_bits
 from lynx_hf.quant.tables import tables
 
 ALL = [Q(), Q(key_axis="token"), Q(alpha=0.0), Q.paper(), Q.paper(key_axis="token"), Q(method="bf16"),
-       Q(method="int8"), Q(method="kivi4"), Q(method="kivi2"), Q(method="identity")]
+       Q(method="int8"), Q(method="kivi4"), Q(method="kivi3"), Q(method="kivi2"), Q(method="identity"), Q(anchor_bits=3),
+       Q(anchor_bits=2, key_axis="token"), Q.paper(anchor_bits=3)]
 
 
 def kv(S=300, B=2, H=3, D=64, dtype=torch.float32, seed=0):
@@ -17,6 +19,58 @@ def kv(S=300, B=2, H=3, D=64, dtype=torch.float32, seed=0):
     x = torch.randn(B, H, S, D, generator=g) * torch.linspace(0.2, 4, D)  # channel-scaled
     x[:, :, 0] *= 25  # an attention-sink-like token
     return x.to(dtype)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_pack_bits_lossless_at_every_width(bits):
+    """Packing is exact (tolerance 0) at every width an anchor or residual takes, and at 4 and 2 bits it is
+    the nibble / quarter-byte layout the baselines use."""
+    D = 64 if bits % 2 else 20 if bits != 8 else 7
+    c = torch.randint(0, 1 << bits, (3, 5, 7, D), dtype=torch.uint8)
+    p = pack_bits(c, bits)
+    assert p.shape[-1] * 8 == D * bits and torch.equal(unpack_bits(p, bits), c)
+    if bits in (2, 4):
+        assert torch.equal(p, pack4(c) if bits == 4 else pack2(c))
+    if bits == 3:  # code i of a group of 8 at bits [3i, 3i + 3) of the group's little-endian 24-bit word
+        w = sum(int(p[0, 0, 0, k]) << (8 * k) for k in range(3))
+        assert [(w >> (3 * i)) & 7 for i in range(8)] == c[0, 0, 0, :8].tolist()
+    if bits != 8:
+        with pytest.raises(ValueError, match="must be (even|a multiple of [48]) to pack"):
+            pack_bits(torch.zeros(1, 3, dtype=torch.uint8), bits)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_narrow_lynx_anchor_is_a_rounded_code_and_rebuilds_the_8bit_code(bits):
+    """At every width the "lynx" anchor is round((2^b − 1)·t) of the companded value t (a plain rounded b-bit
+    code with both ends), and anchor · 2^(8−b) + residual is the 8-bit code the thresholds give."""
+    cfg = Q(anchor_bits=bits)
+    x = kv()
+    s = quant.encode(x, cfg, "key")
+    u = L.normalise(x, None, None, s.meta["mu"], s.meta["sigma"], axis=s.axis, page=cfg.page_size,
+                    chunk=cfg.chunk_size)
+    thr = tables(cfg.method, cfg.alpha, cfg.anchor, bits)[0]
+    codes = L.codes_from_u(u, thr, False)
+    a, r = unpack_bits(s.anchor, bits), unpack_bits(s.residual, 8 - bits)
+    assert torch.equal(join_codes(a, r, bits), codes) and torch.equal(split_codes(codes, bits)[0], a)
+    y = torch.sign(u) * torch.log1p(cfg.alpha * u.abs()) / torch.log1p(torch.tensor(cfg.alpha))
+    t = (y.double() + 1) / 2
+    near_edge = ((t * ((1 << bits) - 1)) % 1 - 0.5).abs() < 1e-4  # float rounding at a cell's edge
+    want = (t * ((1 << bits) - 1)).round().clamp(0, (1 << bits) - 1)
+    assert torch.equal(a.double()[~near_edge], want[~near_edge])
+    assert s.anchor.shape[-1] == 64 * bits // 8 and s.residual.shape[-1] == 64 * (8 - bits) // 8
+
+
+def test_anchor_bits_config_rules():
+    assert "anchor_bits" not in Q().to_dict() and Q.from_dict(Q(anchor_bits=3).to_dict()) == Q(anchor_bits=3)
+    assert Q(anchor_bits=3) != Q() and Q.paper(anchor_bits=2).anchor_bits == 2
+    for bad, msg in ((dict(anchor_bits=5), "anchor_bits must be one of"), (dict(anchor_bits=True), "one of"),
+                     (dict(method="int8", anchor_bits=3), "applies to method")):
+        with pytest.raises(ConfigError, match=msg):
+            Q(**bad)
+    with pytest.raises(ValueError, match="multiple of 8 to pack 3-bit"):
+        quant.encode(kv(D=20), Q(anchor_bits=3), "key")
+    with pytest.raises(ValueError, match="multiple of 8 to pack 3-bit"):
+        quant.stream_shapes(Q(anchor_bits=3), "key", (1, 3, 10, 20), torch.float32, axis="channel")
 
 
 def test_pack_unpack_lossless():

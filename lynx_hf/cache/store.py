@@ -75,7 +75,7 @@ class PromptStore:
         if getattr(seg, stream) is not None:
             raise ValueError(f"duplicate {stream} segment for {kind} at token {start}")
         if stream == "residual":
-            want = (*seg.shape[:3], seg.shape[3] // 2)
+            want = (*seg.shape[:3], seg.shape[3] * (8 - seg.config.anchor_bits) // 8)
             if tuple(data.shape) != want or data.dtype != torch.uint8:
                 raise ValueError(f"residual shape {tuple(data.shape)} {data.dtype}, expected {want} uint8")
         elif stream == "correction":

@@ -67,7 +67,7 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
     generation ends (an error included), so a `TextIteratorStreamer` consumer's loop always ends. Transformers 5.x
     hands a callable custom_generate only its own extra parameters: a `streamer=` given to `generate` stays with
     Transformers, which gives it the prompt and nothing more (README, "Streaming"); an `assistant_model=` is dropped
-    there too. Drafting settings: `spec_config=` (a SpecConfig; default SpecConfig()); `t0=`: the request's
+    there too. Drafting settings: `spec_config=` (a SpecConfig; default `SpecConfig.for_anchor` of the cache's anchor width); `t0=`: the request's
     start (time.perf_counter(); default: now), from which `cache.stats`' times count. For the same
     reason `tokenizer=` never reaches a callable, so `stop_strings` (declared here, so that generate does not fail
     first) is refused with the way out: `stopping_criteria=[StopStringCriteria(tokenizer, stops)]`, which stops at
@@ -105,7 +105,7 @@ def _generate(model, input_ids, logits_processor, stopping_criteria, gc, streams
 def _generate_claimed(model, input_ids, logits_processor, stopping_criteria, gc, streams: _Streams, spec,
                       stop_strings, token_healing, model_kwargs, cache, t0):
     conv = cache.conversation
-    spec = spec or SpecConfig()
+    spec = spec or SpecConfig.for_anchor(cache.quant_config.anchor_bits)
     if cache.quant_config.exact:  # k drafts verified in one forward round unlike k one-token steps: no drafts
         spec = dataclasses.replace(spec, max_draft_steps=0)
     if (gc.num_beams or 1) > 1 or (gc.num_return_sequences or 1) > 1:

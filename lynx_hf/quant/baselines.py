@@ -1,4 +1,4 @@
-"""Baselines behind the same encode/dequantize API: identity (lossless), BF16 passthrough, uniform INT8, KIVI-4/2.
+"""Baselines behind the same encode/dequantize API: identity (lossless), BF16 passthrough, uniform INT8, KIVI-4/3/2.
 
 Uniform codes are asymmetric min-max with round-to-nearest (KIVI): keys grouped per channel over `group_size`
 tokens, values per token over `group_size` channels; min and scale travel as fp16. Everything is in the anchor
@@ -9,10 +9,10 @@ import torch
 
 from ..config import LynxQuantConfig
 from .lynx import _pad_tokens
-from .pack import pack2, pack4, unpack2, unpack4
+from .pack import pack_bits, unpack_bits
 from .splitkv import SplitKV
 
-BITS = {"int8": 8, "kivi4": 4, "kivi2": 2}
+BITS = {"int8": 8, "kivi4": 4, "kivi3": 3, "kivi2": 2}
 _AXIS = {"key": "channel", "value": "token"}  # KIVI: per-channel keys, per-token values
 
 
@@ -41,7 +41,7 @@ def encode_uniform(x: torch.Tensor, config: LynxQuantConfig, kind: str) -> Split
     scale = ((g.amax(-1, keepdim=True) - mn.float()) / L).clamp_min(2.0 ** -24).half()
     q = ((g - mn.float()) / scale.float()).round().clamp(0, L).to(torch.uint8)
     codes = _ungroup(q, axis, x.shape)
-    payload = codes if bits == 8 else (pack4(codes) if bits == 4 else pack2(codes))
+    payload = pack_bits(codes, bits)
     meta = {"min": mn.squeeze(-1), "scale": scale.squeeze(-1)}
     return SplitKV(config, kind, tuple(x.shape), x.dtype, payload, None, meta)
 
@@ -49,7 +49,7 @@ def encode_uniform(x: torch.Tensor, config: LynxQuantConfig, kind: str) -> Split
 def dequantize_uniform(split: SplitKV) -> torch.Tensor:
     bits = BITS[split.config.method]
     axis = _AXIS[split.kind]
-    codes = split.anchor if bits == 8 else (unpack4(split.anchor) if bits == 4 else unpack2(split.anchor))
+    codes = unpack_bits(split.anchor, bits)
     g = _grouped(codes.float(), axis, split.config.group_size)
     x = g * split.meta["scale"].float().unsqueeze(-1) + split.meta["min"].float().unsqueeze(-1)
     return _ungroup(x, axis, split.shape).to(split.dtype)

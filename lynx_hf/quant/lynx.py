@@ -8,8 +8,9 @@ Hierarchy (paper notation), for x: [B, H, S, D]:
                σ = max |x_n − μ|, both uint8 in units of 1/255 of the page range; "lynx": mid-range and half-range
                in fp16 (8-bit stats relative to a page lose the chunk whenever an attention-sink token sets the
                page range, measured in docs/codec.md).
-  3. α-law:    y = sign(u)·ln(1+α|u|)/ln(1+α), coded on 8 bits (see tables.py), split into a 4-bit anchor
-               (MSBs) and a 4-bit residual (LSBs), each packed two a byte.
+  3. α-law:    y = sign(u)·ln(1+α|u|)/ln(1+α), coded on 8 bits (see tables.py), split into a b-bit anchor
+               (MSBs; b = config.anchor_bits, 4 by default) and an (8 − b)-bit residual (LSBs), each bit-packed
+               along D (quant/pack.py: 4-bit codes two a byte).
 Dequantizing is x̂ = γ_min + γ_scale·(μ + σ·LUT[code]). Codes depend only on u, computed the same way everywhere."""
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch
 
 from ..config import LynxQuantConfig
 from ..kernels.contract import check_out, check_ranges
-from .pack import join_codes, pack4, split_codes, unpack4
+from .pack import check_width, join_codes, pack_bits, split_codes, unpack_bits
 from .splitkv import SplitKV
 from .tables import tables
 
@@ -132,10 +133,12 @@ def codes_from_u(u: torch.Tensor, thr: torch.Tensor, sign_magnitude: bool) -> to
     return torch.bucketize(u, thr, right=True).to(torch.uint8)
 
 
-def codes_from_u_fast(u: torch.Tensor, thr: torch.Tensor, sign_magnitude: bool, alpha: float) -> torch.Tensor:
+def codes_from_u_fast(u: torch.Tensor, thr: torch.Tensor, sign_magnitude: bool, alpha: float,
+                      anchor_bits: int = 4) -> torch.Tensor:
     """The same codes as codes_from_u, without a 255-way search: the code computed arithmetically from the
     companded value, then moved by at most one cell so that thr[c-1] <= u < thr[c] holds exactly (transcendental
-    rounding can only be off by one cell: cells are >= 1/240 wide, errors ~1e-7)."""
+    rounding can only be off by one cell: cells are >= 1/240 wide, errors ~1e-7). `anchor_bits` b: the "lynx"
+    code's nesting (A = 2^b − 1 anchor cells of R = 2^(8−b) offsets; the thresholds must be that code's)."""
     thr = thr.to(u.device)
     v = u.abs() if sign_magnitude else u
     y = v if alpha == 0 else torch.sign(v) * torch.log1p(alpha * v.abs()) / math.log1p(alpha)
@@ -143,9 +146,10 @@ def codes_from_u_fast(u: torch.Tensor, thr: torch.Tensor, sign_magnitude: bool, 
     if sign_magnitude:
         c = (y * 127).round()
     else:
-        t15 = (y + 1) * 7.5  # 15·t
-        a = (t15 + 0.5).floor().clamp(0, 15)
-        c = a * 16 + (16 * (t15 - a) + 8.5).floor().clamp(0, 15)
+        A, R = (1 << anchor_bits) - 1, 1 << (8 - anchor_bits)
+        tA = (y + 1) * (A / 2)  # A·t
+        a = (tA + 0.5).floor().clamp(0, A)
+        c = a * R + (R * (tA - a) + (R / 2 + 0.5)).floor().clamp(0, R - 1)
     c = c.clamp(0, n).long()
     c = c + ((c < n) & (v >= thr[c.clamp(max=n - 1)])).long()
     c = c - ((c > 0) & (v < thr[(c - 1).clamp(min=0)])).long()
@@ -171,40 +175,45 @@ def _sl(t, h):
 
 
 def encode_codes(x, gmin, gscale, mu, rho, thr, *, axis: str, page: int, chunk: int, sign_magnitude: bool,
-                 alpha: float | None = None):
+                 alpha: float | None = None, anchor_bits: int = 4):
     """Normalise, compand, split and pack (the op the Triton kernel fuses).
-    x: [B, H, S, D] → (anchor, residual): [B, H, S, D/2] uint8 each. With alpha given, codes come from the
-    arithmetic path (identical codes, several times faster on CPU); else from the threshold search. Large inputs
-    run in blocks of heads (all statistics are per head), so each elementwise pass stays cache-resident."""
+    x: [B, H, S, D] → (anchor [B, H, S, D·b/8], residual [B, H, S, D·(8−b)/8]) uint8, b = anchor_bits (4: D/2
+    each). With alpha given, codes come from the arithmetic path (identical codes, several times faster on CPU);
+    else from the threshold search. Large inputs run in blocks of heads (all statistics are per head), so each
+    elementwise pass stays cache-resident."""
     B, H, S, D = x.shape
     blocks = _head_blocks(H, B * S * D)
     if blocks:
         parts = [encode_codes(x[:, h], _sl(gmin, h), _sl(gscale, h), _sl(mu, h), _sl(rho, h), thr, axis=axis,
-                              page=page, chunk=chunk, sign_magnitude=sign_magnitude, alpha=alpha) for h in blocks]
+                              page=page, chunk=chunk, sign_magnitude=sign_magnitude, alpha=alpha,
+                              anchor_bits=anchor_bits) for h in blocks]
         return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
     u = normalise(x, gmin, gscale, mu, rho, axis=axis, page=page, chunk=chunk)
-    c = codes_from_u(u, thr, sign_magnitude) if alpha is None else codes_from_u_fast(u, thr, sign_magnitude, alpha)
-    a, r = split_codes(c)
-    return pack4(a), pack4(r)
+    c = codes_from_u(u, thr, sign_magnitude) if alpha is None else \
+        codes_from_u_fast(u, thr, sign_magnitude, alpha, anchor_bits)
+    a, r = split_codes(c, anchor_bits)
+    return pack_bits(a, anchor_bits), pack_bits(r, 8 - anchor_bits)
 
 
 def dequantize_codes(anchor, residual, gmin, gscale, mu, rho, lut, *, axis: str, page: int, chunk: int,
-                     out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Unpack, look up and de-normalise. residual None → anchor tier (lut is the 16-entry anchor table),
-    else full tier (lut is the 256-entry table). Returns [B, H, S, D] in out_dtype, written into `out` when given
-    (a tensor of that shape and dtype, any strides: e.g. a slice of a cache's KV buffer). Blocks of heads, as encode."""
+                     out_dtype: torch.dtype, out: torch.Tensor | None = None, anchor_bits: int = 4) -> torch.Tensor:
+    """Unpack, look up and de-normalise. residual None → anchor tier (lut is the 2^b-entry anchor table, b =
+    anchor_bits), else full tier (lut is the 256-entry table). Returns [B, H, S, D] in out_dtype, written into `out`
+    when given (a tensor of that shape and dtype, any strides: e.g. a slice of a cache's KV buffer). Blocks of
+    heads, as encode."""
     if out is not None:
-        check_out(out, anchor, out_dtype)
+        check_out(out, anchor, out_dtype, anchor_bits)
         return out.copy_(dequantize_codes(anchor, residual, gmin, gscale, mu, rho, lut, axis=axis, page=page,
-                                          chunk=chunk, out_dtype=out_dtype))
+                                          chunk=chunk, out_dtype=out_dtype, anchor_bits=anchor_bits))
     B, H, S, HD = anchor.shape
-    blocks = _head_blocks(H, B * S * HD * 2)
+    blocks = _head_blocks(H, B * S * HD * 8 // anchor_bits)
     if blocks:
         return torch.cat([dequantize_codes(anchor[:, h], _sl(residual, h), _sl(gmin, h), _sl(gscale, h), _sl(mu, h),
-                                           _sl(rho, h), lut, axis=axis, page=page, chunk=chunk, out_dtype=out_dtype)
+                                           _sl(rho, h), lut, axis=axis, page=page, chunk=chunk, out_dtype=out_dtype,
+                                           anchor_bits=anchor_bits)
                           for h in blocks], 1)
-    a = unpack4(anchor)
-    code = a if residual is None else join_codes(a, unpack4(residual))
+    a = unpack_bits(anchor, anchor_bits)
+    code = a if residual is None else join_codes(a, unpack_bits(residual, 8 - anchor_bits), anchor_bits)
     S = code.shape[2]
     u = lut.to(code.device)[code.long()]
     k = _stat_unit(mu)
@@ -250,9 +259,8 @@ def encode(x: torch.Tensor, config: LynxQuantConfig, kind: str, kernels: Kernels
     """Lynx / paper encode over `kernels`. One pass of ranges (minmax) gives the finiteness check, the automatic
     axis, the page stage and the chunk stats; a second pass writes the codes. fast=False codes by the threshold
     search (the definition of the code) instead of the arithmetic path."""
-    axis = config.axis(kind)
-    if x.shape[-1] % 2:
-        raise ValueError(f"encode: head_dim must be even to pack 4-bit codes, got {x.shape[-1]}")
+    axis, bits = config.axis(kind), config.anchor_bits
+    check_width(x.shape[-1], bits)
     S, paper, C = x.shape[2], config.method == "paper", config.chunk_size
     (lo_c, hi_c), (lo_t, hi_t) = kernels.minmax(x, C, channel=True, token=axis != "channel" and not paper)
     check_ranges(lo_c, hi_c)
@@ -268,9 +276,10 @@ def encode(x: torch.Tensor, config: LynxQuantConfig, kind: str, kernels: Kernels
         mu, rho = chunk_stats(xn, axis, C, paper)
     else:
         mu, rho = kernels.range_stats(*((lo_t, hi_t) if axis == "token" else (lo_c, hi_c)))
-    thr, _, _ = tables(config.method, float(config.alpha), config.anchor)
+    thr, _, _ = tables(config.method, float(config.alpha), config.anchor, bits)
     anchor, residual = kernels.encode_codes(x, gmin, gscale, mu, rho, thr, axis=axis, page=config.page_size, chunk=C,
-                                            sign_magnitude=paper, alpha=float(config.alpha) if fast else None)
+                                            sign_magnitude=paper, alpha=float(config.alpha) if fast else None,
+                                            anchor_bits=bits)
     meta = {"mu": mu, "sigma": rho}
     if paper:
         meta.update(gamma_min=gmin, gamma_scale=gscale)
@@ -282,9 +291,9 @@ def dequantize(split: SplitKV, tier: str, kernels: Kernels = REFERENCE,
     """Lynx / paper reconstruction of `split` at `tier` over `kernels` (`dequantize_codes`: unpack, look up,
     de-normalise), into `out` when given."""
     cfg = split.config
-    _, full, anc = tables(cfg.method, float(cfg.alpha), cfg.anchor)
+    _, full, anc = tables(cfg.method, float(cfg.alpha), cfg.anchor, cfg.anchor_bits)
     m = split.meta
     res, lut = (split.residual, full) if tier == "full" else (None, anc)
     return kernels.dequantize_codes(split.anchor, res, m.get("gamma_min"), m.get("gamma_scale"), m["mu"], m["sigma"],
                                     lut, axis=split.axis, page=cfg.page_size, chunk=cfg.chunk_size, out_dtype=split.dtype,
-                                    out=out)
+                                    out=out, anchor_bits=cfg.anchor_bits)

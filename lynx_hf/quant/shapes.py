@@ -18,6 +18,7 @@ from ..config import LynxQuantConfig
 from .baselines import _AXIS as UNIFORM_AXIS
 from .baselines import BITS
 from .exact import max_nbytes as correction_bound
+from .pack import check_width, packed_len
 
 SENT_AXES = ("channel", "token")  # the grouping axes a split codec's segment may declare
 
@@ -69,46 +70,41 @@ class StreamShapes:
         return n
 
 
-def _even(D: int, what: str = "head_dim must be even to pack 4-bit codes") -> None:
-    if D % 2:
-        raise ValueError(f"encode: {what}, got {D}")
-
-
 def lynx_shapes(config: LynxQuantConfig, kind: str, shape: tuple, dtype: torch.dtype,
                 axis: str | None = None) -> StreamShapes:
-    """"lynx" / "paper": 4-bit anchor and residual codes [B, H, S, D/2]; μ, σ per chunk of C tokens and channel
+    """"lynx" / "paper": b-bit anchor codes [B, H, S, D·b/8] and (8 − b)-bit residual codes [B, H, S, D·(8−b)/8]
+    (b = anchor_bits; 4: D/2 each); μ, σ per chunk of C tokens and channel
     [B, H, ⌈S/C⌉, D] or per token [B, H, S] (fp16; "paper": uint8), and for "paper" γ_min, γ_scale per page and
     channel [B, H, ⌈NC/(page/C)⌉, D] (fp16). `axis` (default: the config's for `kind`) must be "channel" or "token":
     an "auto" axis is chosen from the data, so its shapes are known only with the axis the segment declares."""
     B, H, S, D = shape
-    _even(D)
+    bits = config.anchor_bits
+    check_width(D, bits)
     axis = axis or config.axis(kind)
     if axis not in SENT_AXES:
         raise ValueError(f"the {config.method!r} codec's shapes need the grouping axis ('channel' or 'token'), "
                          f"got {axis!r}")
     C, paper = config.chunk_size, config.method == "paper"
     NC = -(-S // C)
-    codes = TensorSpec.of((B, H, S, D // 2), torch.uint8)
+    anchor = TensorSpec.of((B, H, S, packed_len(D, bits)), torch.uint8)
+    residual = TensorSpec.of((B, H, S, packed_len(D, 8 - bits)), torch.uint8)
     stat = TensorSpec.of((B, H, S) if axis == "token" else (B, H, NC, D), torch.uint8 if paper else torch.float16)
     meta = {"mu": stat, "sigma": stat}
     if paper:
         page = TensorSpec.of((B, H, -(-NC // (config.page_size // C)), D), torch.float16)
         meta.update(gamma_min=page, gamma_scale=page)
     fix = TensorSpec(None, torch.uint8, correction_bound(math.prod(shape), dtype)) if config.exact else None
-    return StreamShapes(codes, codes, meta, axis, fix)
+    return StreamShapes(anchor, residual, meta, axis, fix)
 
 
 def uniform_shapes(config: LynxQuantConfig, kind: str, shape: tuple, dtype: torch.dtype,
                    axis: str | None = None) -> StreamShapes:
-    """INT8 / KIVI-4 / KIVI-2 (`axis` ignored: keys per channel, values per token): codes [B, H, S, D·bits/8],
+    """INT8 / KIVI-4 / KIVI-3 / KIVI-2 (`axis` ignored: keys per channel, values per token): codes [B, H, S, D·bits/8],
     min and scale fp16 per group — [B, H, ⌈S/G⌉, D] (keys), [B, H, S, D/G] (values; one group of D when G does not
     divide D)."""
     B, H, S, D = shape
     bits, G = BITS[config.method], config.group_size
-    if bits == 4:
-        _even(D, "pack4 needs an even last dimension")
-    if bits == 2 and D % 4:
-        raise ValueError(f"pack2 needs a last dimension divisible by 4, got {D}")
+    check_width(D, bits)
     if UNIFORM_AXIS[kind] == "channel":
         group = (B, H, -(-S // G), D)
     else:

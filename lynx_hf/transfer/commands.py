@@ -16,6 +16,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_HELP = "the model's dtype, so its KV's (both processes must run the same one)"
 EXACT_HELP = ("exact mode (Lynx codec only): a third stream makes the full tier the model's KV bit for bit, so the "
               "output equals plain generate in this dtype (default: equal to decoding the 8-bit full tier)")
+ANCHOR_BITS_HELP = ("the Lynx anchor's width in bits (2, 3, 4; default 4): the first stream carries the 8-bit code's "
+                    "top bits, the residual the rest, so a narrower anchor lands sooner and drafts on coarser KV")
 NIXL_HELP = "pip install 'lynx-hf[nixl]'; UCX_TLS / UCX_NET_DEVICES choose its transports and interfaces"
 
 
@@ -167,11 +169,12 @@ def _serve_decode(a):
                                    prefill_on=a.prefill_on)
     cli = sess = None
     cfg = LynxQuantConfig.from_pretrained(a.lynx_config) if a.lynx_config else LynxQuantConfig(method=a.method)
-    if a.exact:
+    for flag, change in (("--exact", {"exact": True} if a.exact else None),
+                         ("--anchor-bits", None if a.anchor_bits is None else {"anchor_bits": a.anchor_bits})):
         try:
-            cfg = dataclasses.replace(cfg, exact=True)
+            cfg = dataclasses.replace(cfg, **change) if change else cfg
         except ConfigError as e:
-            raise SystemExit(f"lynx-hf serve-decode: error: --exact: {e}")
+            raise SystemExit(f"lynx-hf serve-decode: error: {flag}: {e}")
     failed = False
     messages: list[dict] = []  # --session: the conversation so far (the chat template renders it each turn)
     tools = None  # --session: the tools the last turn that named them gave the template
@@ -294,7 +297,7 @@ def register(sub) -> None:
 
 def _register_decode(sub) -> None:
     from ..config import METHODS
-    from ..flags import seconds, tokens
+    from ..flags import count, seconds, tokens
 
     q = sub.add_parser("serve-decode", help="the decode process: sends prompts, drafts, verifies, prints JSON lines",
                        formatter_class=HelpFormatter,
@@ -308,6 +311,7 @@ def _register_decode(sub) -> None:
     codec.add_argument("--lynx-config", help="the codec from a lynx_config.json (folder, file or Hub repo), e.g. "
                                              "written by `lynx-hf calibrate`")
     q.add_argument("--exact", action="store_true", help=EXACT_HELP)
+    q.add_argument("--anchor-bits", type=count(4, lo=2), help=ANCHOR_BITS_HELP)
     q.add_argument("--dtype", choices=DTYPES, default="float32", help=DTYPE_HELP)
     q.add_argument("--session", action="store_true",
                    help="one conversation: each input line is the next turn — plain text: a user message; a JSON "

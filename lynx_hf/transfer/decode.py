@@ -246,7 +246,7 @@ class DecodeClient:
         if cache is not None:  # the turn runs on a branch: whatever fails, `cache` stays as it was
             cache = cache.fork()
         held = cache.conversation.continue_turn(ids) if cache is not None else 0  # waits for the last turn's residual
-        spec = spec_config or SpecConfig(max_draft_steps=64 if speculative else 0)
+        spec = spec_config or SpecConfig.for_anchor(cfg.anchor_bits, max_draft_steps=64 if speculative else 0)
         if held and cfg.exact:  # exact mode: a turn goes on where Transformers' own would (the held KV, one forward)
             prefill_on = "decode"
         if self.placement.choose(ids.shape[1] - held, held, lambda: self._probe(ids), prefill_on) == "decode":
