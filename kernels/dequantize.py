@@ -9,6 +9,26 @@ import triton.language as tl
 
 
 @triton.jit
+def _store_value(code, lut_ptr, gmin_ptr, gscale_ptr, mu_ptr, rho_ptr, out_ptr, bh, s, d, mask, S, D, NP, NC,
+                 PAGE: tl.constexpr, CHUNK: tl.constexpr, HAS_PAGE: tl.constexpr, TOKEN_AXIS: tl.constexpr,
+                 STAT_UNIT: tl.constexpr):
+    # out[bh, s, d] = γ_min + γ_scale·(μ + σ·LUT[code]) (s, d: broadcastable index blocks, code their codes)
+    u = tl.load(lut_ptr + code, mask=mask, other=0.0)
+    if TOKEN_AXIS:
+        cidx = bh * S + s + 0 * d
+    else:
+        cidx = (bh * NC + s // CHUNK) * D + d
+    mu = tl.load(mu_ptr + cidx, mask=mask, other=0).to(tl.float32) * STAT_UNIT
+    rho = tl.load(rho_ptr + cidx, mask=mask, other=0).to(tl.float32) * STAT_UNIT
+    xn = mu + rho * u
+    if HAS_PAGE:
+        pidx = (bh * NP + s // PAGE) * D + d
+        xn = tl.load(gmin_ptr + pidx, mask=mask, other=0.0).to(tl.float32) + \
+            tl.load(gscale_ptr + pidx, mask=mask, other=0.0).to(tl.float32) * xn
+    tl.store(out_ptr + (bh * S + s) * D + d, xn.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _dequantize_kernel(a_ptr, r_ptr, gmin_ptr, gscale_ptr, mu_ptr, rho_ptr, lut_ptr, out_ptr,
                        S, D, NP, NC,
                        PAGE: tl.constexpr, CHUNK: tl.constexpr, HAS_PAGE: tl.constexpr, TOKEN_AXIS: tl.constexpr,
@@ -27,19 +47,8 @@ def _dequantize_kernel(a_ptr, r_ptr, gmin_ptr, gscale_ptr, mu_ptr, rho_ptr, lut_
         code = (a >> (4 * half)) & 15
         if HAS_RES:
             code = (code << 4) | ((r >> (4 * half)) & 15)
-        u = tl.load(lut_ptr + code, mask=mask, other=0.0)
-        if TOKEN_AXIS:
-            cidx = bh * S + s + 0 * d
-        else:
-            cidx = (bh * NC + s // CHUNK) * D + d
-        mu = tl.load(mu_ptr + cidx, mask=mask, other=0).to(tl.float32) * STAT_UNIT
-        rho = tl.load(rho_ptr + cidx, mask=mask, other=0).to(tl.float32) * STAT_UNIT
-        xn = mu + rho * u
-        if HAS_PAGE:
-            pidx = (bh * NP + s // PAGE) * D + d
-            xn = tl.load(gmin_ptr + pidx, mask=mask, other=0.0).to(tl.float32) + \
-                tl.load(gscale_ptr + pidx, mask=mask, other=0.0).to(tl.float32) * xn
-        tl.store(out_ptr + (bh * S + s) * D + d, xn.to(out_ptr.dtype.element_ty), mask=mask)
+        _store_value(code, lut_ptr, gmin_ptr, gscale_ptr, mu_ptr, rho_ptr, out_ptr, bh, s, d, mask, S, D, NP, NC,
+                     PAGE, CHUNK, HAS_PAGE, TOKEN_AXIS, STAT_UNIT)
 
 
 @triton.jit
@@ -68,19 +77,8 @@ def _dequantize_groups_kernel(a_ptr, r_ptr, gmin_ptr, gscale_ptr, mu_ptr, rho_pt
     s = s2[:, :, None]                                                   # [BLOCK_S, 1, 1]
     d = 8 * gs[:, :, None] + tl.arange(0, 8)[None, None, :]             # [1, NG, 8]
     mask = (s < S) & (d < D)
-    u = tl.load(lut_ptr + code, mask=mask, other=0.0)
-    if TOKEN_AXIS:
-        cidx = bh * S + s + 0 * d
-    else:
-        cidx = (bh * NC + s // CHUNK) * D + d
-    mu = tl.load(mu_ptr + cidx, mask=mask, other=0).to(tl.float32) * STAT_UNIT
-    rho = tl.load(rho_ptr + cidx, mask=mask, other=0).to(tl.float32) * STAT_UNIT
-    xn = mu + rho * u
-    if HAS_PAGE:
-        pidx = (bh * NP + s // PAGE) * D + d
-        xn = tl.load(gmin_ptr + pidx, mask=mask, other=0.0).to(tl.float32) + \
-            tl.load(gscale_ptr + pidx, mask=mask, other=0.0).to(tl.float32) * xn
-    tl.store(out_ptr + (bh * S + s) * D + d, xn.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_value(code, lut_ptr, gmin_ptr, gscale_ptr, mu_ptr, rho_ptr, out_ptr, bh, s, d, mask, S, D, NP, NC,
+                 PAGE, CHUNK, HAS_PAGE, TOKEN_AXIS, STAT_UNIT)
 
 
 def dequantize_codes_triton(anchor, residual, gmin, gscale, mu, rho, lut, *, axis: str, page: int, chunk: int,

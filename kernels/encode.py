@@ -22,6 +22,28 @@ def _code(u, thr_ptr, NSTEPS: tl.constexpr):
 
 
 @triton.jit
+def _code_at(x_ptr, gmin_ptr, gscale_ptr, mu_ptr, rho_ptr, thr_ptr, bh, s, d, mask, S, D, NP, NC,
+             PAGE: tl.constexpr, CHUNK: tl.constexpr, HAS_PAGE: tl.constexpr, TOKEN_AXIS: tl.constexpr,
+             SIGN_MAG: tl.constexpr, STAT_UNIT: tl.constexpr):
+    # the 8-bit code of x[bh, s, d] (s, d: broadcastable index blocks): u = ((x − γ_min)/γ_scale − μ)/σ, counted
+    xn = tl.load(x_ptr + (bh * S + s) * D + d, mask=mask, other=0.0).to(tl.float32)
+    if HAS_PAGE:
+        pidx = (bh * NP + s // PAGE) * D + d
+        xn = (xn - tl.load(gmin_ptr + pidx, mask=mask, other=0.0).to(tl.float32)) / \
+            tl.load(gscale_ptr + pidx, mask=mask, other=1.0).to(tl.float32)
+    if TOKEN_AXIS:
+        cidx = bh * S + s + 0 * d
+    else:
+        cidx = (bh * NC + s // CHUNK) * D + d
+    mu = tl.load(mu_ptr + cidx, mask=mask, other=0).to(tl.float32) * STAT_UNIT
+    rho = tl.load(rho_ptr + cidx, mask=mask, other=1).to(tl.float32) * STAT_UNIT
+    u = (xn - mu) / rho
+    if SIGN_MAG:
+        return _code(tl.abs(u), thr_ptr, 7) + tl.where(u < 0, 128, 0)
+    return _code(u, thr_ptr, 8)
+
+
+@triton.jit
 def _encode_kernel(x_ptr, gmin_ptr, gscale_ptr, mu_ptr, rho_ptr, thr_ptr, a_ptr, r_ptr,
                    S, D, NP, NC,
                    PAGE: tl.constexpr, CHUNK: tl.constexpr, HAS_PAGE: tl.constexpr, TOKEN_AXIS: tl.constexpr,
@@ -33,22 +55,8 @@ def _encode_kernel(x_ptr, gmin_ptr, gscale_ptr, mu_ptr, rho_ptr, thr_ptr, a_ptr,
     mask = (s < S) & (j < D // 2)
     for half in tl.static_range(2):
         d = 2 * j + half
-        xn = tl.load(x_ptr + (bh * S + s) * D + d, mask=mask, other=0.0).to(tl.float32)
-        if HAS_PAGE:
-            pidx = (bh * NP + s // PAGE) * D + d
-            xn = (xn - tl.load(gmin_ptr + pidx, mask=mask, other=0.0).to(tl.float32)) / \
-                tl.load(gscale_ptr + pidx, mask=mask, other=1.0).to(tl.float32)
-        if TOKEN_AXIS:
-            cidx = bh * S + s + 0 * d
-        else:
-            cidx = (bh * NC + s // CHUNK) * D + d
-        mu = tl.load(mu_ptr + cidx, mask=mask, other=0).to(tl.float32) * STAT_UNIT
-        rho = tl.load(rho_ptr + cidx, mask=mask, other=1).to(tl.float32) * STAT_UNIT
-        u = (xn - mu) / rho
-        if SIGN_MAG:
-            code = _code(tl.abs(u), thr_ptr, 7) + tl.where(u < 0, 128, 0)
-        else:
-            code = _code(u, thr_ptr, 8)
+        code = _code_at(x_ptr, gmin_ptr, gscale_ptr, mu_ptr, rho_ptr, thr_ptr, bh, s, d, mask, S, D, NP, NC,
+                        PAGE, CHUNK, HAS_PAGE, TOKEN_AXIS, SIGN_MAG, STAT_UNIT)
         if half == 0:
             a_lo, r_lo = code >> 4, code & 15
         else:
@@ -80,22 +88,8 @@ def _encode_groups_kernel(x_ptr, gmin_ptr, gscale_ptr, mu_ptr, rho_ptr, thr_ptr,
     g = tl.arange(0, NG)[None, :, None]                                      # [1, NG, 1]: groups of 8 channels
     d = 8 * g + tl.arange(0, 8)[None, None, :]                               # [1, NG, 8]
     mask = (s < S) & (d < D)
-    xn = tl.load(x_ptr + (bh * S + s) * D + d, mask=mask, other=0.0).to(tl.float32)
-    if HAS_PAGE:
-        pidx = (bh * NP + s // PAGE) * D + d
-        xn = (xn - tl.load(gmin_ptr + pidx, mask=mask, other=0.0).to(tl.float32)) / \
-            tl.load(gscale_ptr + pidx, mask=mask, other=1.0).to(tl.float32)
-    if TOKEN_AXIS:
-        cidx = bh * S + s + 0 * d
-    else:
-        cidx = (bh * NC + s // CHUNK) * D + d
-    mu = tl.load(mu_ptr + cidx, mask=mask, other=0).to(tl.float32) * STAT_UNIT
-    rho = tl.load(rho_ptr + cidx, mask=mask, other=1).to(tl.float32) * STAT_UNIT
-    u = (xn - mu) / rho
-    if SIGN_MAG:
-        code = _code(tl.abs(u), thr_ptr, 7) + tl.where(u < 0, 128, 0)
-    else:
-        code = _code(u, thr_ptr, 8)
+    code = _code_at(x_ptr, gmin_ptr, gscale_ptr, mu_ptr, rho_ptr, thr_ptr, bh, s, d, mask, S, D, NP, NC,
+                    PAGE, CHUNK, HAS_PAGE, TOKEN_AXIS, SIGN_MAG, STAT_UNIT)
     code = tl.where(mask, code, 0)
     s2 = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)[:, None]  # [BLOCK_S, 1]
     gs = tl.arange(0, NG)[None, :]

@@ -9,19 +9,13 @@ import lynx_hf
 from lynx_hf import LynxCache, LynxQuantConfig as Q
 from lynx_hf.cache.store import PromptStore
 from lynx_hf.quant import encode
-from lynx_hf.transfer import server as S
 from lynx_hf.transfer.decode import DecodeClient
 from lynx_hf.transfer.wire import WireError
 
 WIDTHS = (4, 3, 2)
 
 
-@pytest.fixture(scope="module")
-def server(model_and_tok):
-    model, _ = model_and_tok
-    srv = S.PrefillServer(model, secret="s3cret", bandwidth_bps=200e6).start()
-    yield srv
-    srv.close()
+from test_transfer import server  # noqa: E402,F401  (the real model's loopback server, secret "s3cret")
 
 
 def no_drafts(model, cache, ids: list[int], tokens: list[int]) -> list[int]:
