@@ -36,7 +36,8 @@ def _row(r: dict) -> dict:
     vstart = [t for t, k in r["timeline"] if k == "verify_start"]
     overlap = last_res - vstart[0] if vstart and last_res is not None else None
     return {**{k: r[k] for k in ("ttft_s", "ttft_verified_s", "tt32t_s", "bytes")},
-            **{k: st.get(k) for k in ("drafted", "accepted", "tree_nodes", "anchors_at_s", "residual_at_s", "verify_s")},
+            **{k: st.get(k) for k in ("drafted", "accepted", "tree_nodes", "anchors_at_s", "residual_at_s", "verify_s",
+                                         "draft_stop")},
             "verify_overlap_s": overlap}
 
 

@@ -52,6 +52,8 @@ class Stats(DictReads):
     ttft_draft_s: float | None = None     # first draft token
     ttft_verified_s: float | None = None  # first verified token
     verify_s: float = 0.0            # wall time of verification passes
+    draft_stop: str | None = None    # what ended drafting: "residual" (it was in), "lead" (due within verify_lead
+    #                                  steps), "budget" (max_draft_steps or the length), "drafted out" (no frontier)
     anchors_at_s: float | None = None     # every anchor in (the engine noticed)
     residual_at_s: float | None = None    # the last residual segment landed (negative: before t0)
     held_tokens: int = 0             # a continued turn: tokens whose KV the cache held already (not shipped)

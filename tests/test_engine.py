@@ -85,6 +85,7 @@ def test_residual_mid_draft_keeps_the_agreeing_prefix_and_corrects():
     got, st, m = generate([FULL], anchor, after=4, max_new=8)
     assert got == [FULL[:8]]
     assert (st["drafted"], st["accepted"], st["rounds"]) == (4, 1, 1)  # drafts g=1..4; g=1 stands, g=2 corrected
+    assert st["draft_stop"] == "residual"  # the residual landed after the 4th step
     # one verification pass over [first token, 4 drafts], then one decode step per remaining token
     assert m.forwards == [("anchor", 1)] * 4 + [("full", 5)] + [("full", 1)] * 5
 
@@ -100,6 +101,7 @@ def test_eos_drafted_on_the_anchor_tier_is_rejected():
     got, st, _ = generate([FULL], anchor, after=6, max_new=6, eos=EOS)
     assert got == [FULL[:6]]
     assert (st["drafted"], st["accepted"]) == (2, 1)  # drafting stopped at the EOS draft, which was rejected
+    assert st["draft_stop"] == "drafted out"  # an EOS node is never expanded: no frontier left
 
 
 def test_eos_accepted_as_the_last_draft_ends_generation_and_counts():
@@ -261,3 +263,11 @@ def test_lock_step_leaves_no_holes_when_a_row_is_done():
     got, st, _ = generate(full, anchor, after=4, max_new=7, eos=EOS, model=model)
     assert got == [FULL[:7], [EOS] + [PAD] * 6] and st["accepted_per_row"] == [2, 0]
     assert 4 not in model.masks
+
+
+def test_the_stats_say_what_ended_drafting():
+    """`draft_stop`: the budget (max_draft_steps) before a residual that lands late, the residual itself."""
+    got, st, _ = generate([FULL], [FULL], after=6, max_new=10, spec=SpecConfig(max_draft_steps=2))
+    assert got == [FULL[:10]] and (st["drafted"], st["draft_stop"]) == (2, "budget")
+    got, st, _ = generate([FULL], [FULL], after=2, max_new=10)
+    assert got == [FULL[:10]] and (st["drafted"], st["draft_stop"]) == (2, "residual")

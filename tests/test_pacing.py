@@ -143,9 +143,9 @@ def test_draft_policy_stops_when_the_residual_is_due_within_the_lead():
     state["eta"] = 0.5
     assert p.another_step()  # 0.5 s left > 2 steps of 0.2 s
     state["eta"] = 0.35
-    assert not p.another_step()  # due within the lead: verify now, overlapping the rest of the transfer
+    assert not p.another_step() and p.stop == "lead"  # due within the lead: verify now, overlapping the transfer
     state["eta"], state["ready"] = 10.0, True
-    assert not p.another_step()  # never once the residual is in
+    assert not p.another_step() and p.stop == "residual"  # never once the residual is in
 
 
 def test_draft_policy_prices_a_step_by_its_frontier():

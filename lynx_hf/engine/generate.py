@@ -215,6 +215,7 @@ def _draft_and_verify(s: DecodeState, spec, tree: bool) -> None:
         policy.stepped(time.perf_counter() - t, nodes)
         cache.notify_drafted(drafter.steps)
     cache.need_residual()  # a step-count schedule releases the residual now; a real link just goes on
+    trace.stats.draft_stop = policy.stop or ("budget" if drafter.steps >= budget else "drafted out")
     t = trace.mark("verify_start")
     s.drop_tail(s.P)  # the draft-phase tail was computed against the anchor tier
     cache.set_tier("full", per_layer=True)  # the verify pass runs each layer once its residual is in

@@ -12,12 +12,17 @@ class DraftPolicy:
     def __init__(self, cache, verify_lead: float):
         self.cache, self.lead = cache, max(1.0, verify_lead)
         self.seen: list[tuple[int, float]] = []  # (nodes, seconds) of the steps so far
+        self.stop: str | None = None             # why the last another_step said no: "residual" (in), "lead" (due soon)
 
     def another_step(self, nodes: int = 1) -> bool:
         if self.cache.residual_ready():
+            self.stop = "residual"
             return False
         eta, cost = self.cache.residual_eta(), self.step_s(nodes)
-        return eta is None or cost is None or eta > cost * self.lead
+        if eta is None or cost is None or eta > cost * self.lead:
+            return True
+        self.stop = "lead"
+        return False
 
     def step_s(self, nodes: int) -> float | None:
         """Expected seconds of a step running `nodes` positions per row (None before the first step)."""
