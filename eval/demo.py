@@ -41,6 +41,14 @@ def _row(r: dict) -> dict:
             "verify_overlap_s": overlap}
 
 
+def _auto_note(width: dict | None) -> str:
+    """What anchor_bits "auto" chose and why, with each width's forecast TT32T ("" for a fixed width)."""
+    if width is None:
+        return ""
+    fc = ", ".join(f"{b} bits {f['tt32t_s']:.2f} s" for b, f in width["forecast"].items())
+    return f" (auto: {width['why']}" + (f"; forecast TT32T {fc})" if fc else ")")
+
+
 def plot_timeline(runs: dict, path: Path, bandwidth_bps: float, prompt_tokens: int, new_tokens: int = 32) -> None:
     """One row per method: each KV segment's arrival by layer (Lynx: anchor and residual; the others send their
     whole KV in one stream), and the decode side's tokens on top (draft, verify pass, verified)."""
@@ -83,13 +91,16 @@ def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_jso
     say(f"starting the prefill process (link emulator {bandwidth_bps / 1e6:.1f} Mbit/s, data plane {data_plane}) ...")
     runs = {}
     with prefill_child(model, bandwidth_bps, ids[:64], model_name, data_plane=data_plane, port=port,
-                       server_args=("--dtype", dtype, "--prefill-step", str(max(1024, len(ids))))) as cli:
+                       server_args=("--dtype", dtype, "--prefill-step", str(max(1024, len(ids)))),
+                       link_bps=bandwidth_bps) as cli:
         methods = methods or {**METHODS, "Lynx": LynxQuantConfig(anchor_bits=anchor_bits),
                               EXACT: LynxQuantConfig(exact=True, anchor_bits=anchor_bits)}
         plan = [(n, c, True) for n, c in methods.items()] + [
             ("Lynx (no drafts: full-tier reference)", methods["Lynx"], False)]
         gen = {"do_sample": True, "temperature": 0.7} if do_sample else {}
         for name, cfg, spec in tqdm(plan, desc="methods", file=sys.stderr):
+            if not spec:  # the reference decodes the Lynx row's KV: the width that row took
+                cfg = runs["Lynx"]["cache"].quant_config
             torch.manual_seed(0)
             runs[name] = cli.generate(ids, cfg, max_new_tokens=new_tokens, speculative=spec, **gen)
     rows = {n: _row(r) for n, r in runs.items()}
@@ -99,8 +110,9 @@ def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_jso
     if EXACT in runs and not do_sample:  # exact mode = plain generate on the model, without Lynx
         plain = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)
         exact = runs[EXACT]["tokens"] == plain[0, len(ids):].tolist()
+    bits, width = runs["Lynx"]["cache"].quant_config.anchor_bits, runs["Lynx"]["width"]
     say(f"\nprompt {len(ids)} tokens; prefill {runs['Lynx']['prefill_s']:.2f} s (overlapped with sending); "
-        f"link {bandwidth_bps / 1e6:.1f} Mbit/s; Lynx anchor {methods['Lynx'].anchor_bits} bits")
+        f"link {bandwidth_bps / 1e6:.1f} Mbit/s; Lynx anchor {bits} bits" + _auto_note(width))
     say(f"{'method':40s} {'TTFT s':>7s} {'verified':>9s} {'TT32T s':>8s} {'MB':>7s} {'drafted/accepted':>17s}")
     for n, r in rows.items():
         say(f"{n:40s} {r['ttft_s']:7.2f} {r['ttft_verified_s']:9.2f} {r['tt32t_s']:8.2f} {r['bytes'] / 1e6:7.2f} "
@@ -119,7 +131,7 @@ def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_jso
     res = {"methods": {n: {k: rows[n][k] for k in ("ttft_s", "ttft_verified_s", "tt32t_s", "bytes")}
                        for n in rows},
            "lynx": {"drafted": rows["Lynx"]["drafted"], "accepted": rows["Lynx"]["accepted"], "identical_to_full": same,
-                    "verify_overlap_s": rows["Lynx"]["verify_overlap_s"], "anchor_bits": methods["Lynx"].anchor_bits},
+                    "verify_overlap_s": rows["Lynx"]["verify_overlap_s"], "anchor_bits": bits, "width": width},
            "exact": None if EXACT not in rows else {"identical_to_plain_generate": exact, "dtype": dtype,
                                                     "bytes_vs_bf16": rows[EXACT]["bytes"] / rows["BF16"]["bytes"]},
            "do_sample": do_sample, "prefill_bound": prefill_bound, "data_plane": data_plane,

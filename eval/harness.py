@@ -131,12 +131,13 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 @contextlib.contextmanager
 def prefill_child(model, bandwidth_bps: float | None, warmup_ids: list[int], model_name: str | None = None,
-                  timeout_s: float = 120, server_args: tuple = (), data_plane: str = "tcp", port: int | None = None):
+                  timeout_s: float = 120, server_args: tuple = (), data_plane: str = "tcp", port: int | None = None,
+                  link_bps: float | None = None):
     """A `serve-prefill` child process behind the link emulator (`bandwidth_bps` None or 0: no emulation;
     `server_args`: more of its flags), and a DecodeClient connected to it and warmed up (one short request through
     both processes); the child is stopped on exit. data_plane "nixl": the segments move by NIXL, which this loopback
     pair pins to loopback TCP unless $UCX_TLS / $UCX_NET_DEVICES say otherwise. port: the child's (None: a free
-    one)."""
+    one). link_bps: the client's hint of the link's rate (anchor_bits "auto")."""
     from lynx_hf.transfer.decode import DecodeClient
 
     if data_plane == "nixl":
@@ -146,7 +147,8 @@ def prefill_child(model, bandwidth_bps: float | None, warmup_ids: list[int], mod
     secret, port = secrets.token_hex(16), port or free_port()
     proc = start_prefill_server(port, bandwidth_bps, secret, model_name, server_args)
     try:
-        cli = DecodeClient(model, "127.0.0.1", port, secret=secret, timeout_s=timeout_s, data_plane=data_plane)
+        cli = DecodeClient(model, "127.0.0.1", port, secret=secret, timeout_s=timeout_s, data_plane=data_plane,
+                           link_bps=link_bps or None)
         cli.generate(warmup_ids, LynxQuantConfig(), max_new_tokens=2)
         yield cli
         cli.close()

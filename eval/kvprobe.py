@@ -45,7 +45,8 @@ def _teacher_forced(model, K, V, cont) -> torch.Tensor:
 
 @torch.inference_mode()
 def score(model, probe: Probe, config, tier: str) -> dict:
-    """KL(ref ‖ codec), greedy agreement and accepted prefix over the continuation; bits/value and K/V errors."""
+    """KL(ref ‖ codec) (mean, and per teacher-forced position), greedy agreement and accepted prefix over the
+    continuation; bits/value and K/V errors."""
     K, V, nbytes, numel, ek, ev = [], [], 0, 0, 0.0, 0.0
     for i, (k, v) in enumerate(zip(probe.keys, probe.values)):
         where = (i, len(probe.keys))
@@ -58,9 +59,11 @@ def score(model, probe: Probe, config, tier: str) -> dict:
         ev += float((dv - v).pow(2).sum() / v.pow(2).sum())
     logp = torch.log_softmax(_teacher_forced(model, K, V, probe.cont), -1)
     p = probe.ref_logp
-    kl = float((p.exp() * (p - logp)).sum(-1).mean())
+    per_position = (p.exp() * (p - logp)).sum(-1)
+    kl = float(per_position.mean())
     agree = (logp.argmax(-1) == p.argmax(-1))
     prefix = int(agree.long().cumprod(0).sum())
     n = len(probe.keys)
     return {"bits_per_value": 8 * nbytes / numel, "kl": kl, "agreement": float(agree.float().mean()),
-            "accepted_prefix": prefix, "rel_err_k": (ek / n) ** 0.5, "rel_err_v": (ev / n) ** 0.5}
+            "accepted_prefix": prefix, "rel_err_k": (ek / n) ** 0.5, "rel_err_v": (ev / n) ** 0.5,
+            "kl_per_position": per_position.tolist()}

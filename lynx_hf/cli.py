@@ -41,8 +41,8 @@ def _codec_quality(a):
     emit = printer(a.json)
     out = lambda s: (lines.append(s), emit(s))
     if a.widths:
-        res = anchor_widths.run(tokens=a.contexts[0] if a.contexts else 1024, gen=a.gen or 48, model_name=a.model,
-                                out=out)
+        res = anchor_widths.run(tokens=a.contexts[0] if a.contexts else 1024, gen=a.gen or 48, prompts=a.prompts,
+                                model_name=a.model, out=out)
     else:
         res = codec_quality.run(a.text or data.shakespeare(), contexts=tuple(a.contexts or (512, 1024, 2048, 4096)),
                                 gen=a.gen or 32, ablation=not a.no_ablation, model_name=a.model, out=out)
@@ -53,7 +53,7 @@ def _codec_quality(a):
 
 
 def _add_codec_quality(sub) -> None:
-    from lynx_hf.flags import tokens
+    from lynx_hf.flags import count, tokens
 
     q = subcommand(sub, "codec-quality", "KV codec quality on real KV of the default model")
     q.add_argument("--text", help="text file for the contexts (default: shared tinyshakespeare)")
@@ -65,6 +65,8 @@ def _add_codec_quality(sub) -> None:
     q.add_argument("--widths", action="store_true",
                    help="instead: the Lynx anchor at 4, 3 and 2 bits against a plain code of each width on prose, "
                         "Python, JSON and many-shot QA (needs the shared MMLU-Pro questions)")
+    q.add_argument("--prompts", type=count(4), default=3,
+                   help="--widths: prompts per kind of text (default 3)")
     q.add_argument("--markdown", help="also write the tables to this file")
     q.add_argument("--json", action="store_true", help=JSON_HELP)
     q.set_defaults(fn=_codec_quality)
@@ -93,7 +95,7 @@ def _demo(a):
 
 
 def _add_demo(sub) -> None:
-    from lynx_hf.flags import count, mbps, tokens
+    from lynx_hf.flags import anchor_width, count, mbps, tokens
 
     d = subcommand(sub, "demo", "prefill and decode processes over loopback TCP: BF16 / INT8 / INT4 / Lynx")
     d.add_argument("--prompt-file", help="any text file (default: Python standard-library source)")
@@ -109,7 +111,7 @@ def _add_demo(sub) -> None:
                         f"TCP unless $UCX_TLS / $UCX_NET_DEVICES are set)")
     d.add_argument("--port", type=count(65535), help=PORT_HELP)
     d.add_argument("--dtype", choices=DTYPES, default="float32", help=DTYPE_HELP)
-    d.add_argument("--anchor-bits", type=count(4, lo=2), default=4, help=ANCHOR_BITS_HELP + " (the Lynx rows)")
+    d.add_argument("--anchor-bits", type=anchor_width(), default=4, help=ANCHOR_BITS_HELP + " (the Lynx rows)")
     d.set_defaults(fn=_demo)
 
 

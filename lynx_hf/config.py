@@ -14,6 +14,7 @@ METHODS = ("lynx", "paper", "bf16", "int8", "kivi4", "kivi3", "kivi2", "cachegen
 ANCHORS = ("centroid", "center", "paper")
 AXES = ("auto", "channel", "token")
 ANCHOR_BITS = (2, 3, 4)
+AUTO = "auto"  # anchor_bits chosen per request (lynx_hf.width)
 CONFIG_NAME = "lynx_config.json"
 
 
@@ -38,6 +39,8 @@ class LynxQuantConfig:
                 bits of the 8-bit code, the residual the other 8 − b (the full tier is 8 bits at every width; "lynx"
                 nests its code so that the b-bit anchor is itself a rounded b-bit code: quant/tables.py). A narrower
                 anchor reaches the decode side sooner and drafts on coarser KV (docs/codec.md gives its KL).
+                "auto": chosen per request from the link's rate, the prompt's length and the drafts each width
+                keeps (lynx_hf.width, docs/drafting.md "Anchor width"); the codec itself takes a resolved width.
     group_size: group of the uniform baselines (KIVI: tokens per channel group for keys, channels for values).
     exact:      "lynx" / "paper" only: a third, lowest-priority stream carries the correction from the 8-bit
                 reconstruction to the KV's own bits (quant/exact.py), so the full tier is the model's KV bit for bit
@@ -80,8 +83,8 @@ class LynxQuantConfig:
         if self.exact and self.method not in ("lynx", "paper"):
             bad(f"exact=True takes method 'lynx' or 'paper' (it corrects their 8-bit code), got {self.method!r}"
                 + (": the identity codec is exact already" if self.method == "identity" else ""))
-        if isinstance(self.anchor_bits, bool) or self.anchor_bits not in ANCHOR_BITS:
-            bad(f"anchor_bits must be one of {ANCHOR_BITS}, got {self.anchor_bits!r}")
+        if isinstance(self.anchor_bits, bool) or self.anchor_bits not in ANCHOR_BITS + (AUTO,):
+            bad(f"anchor_bits must be one of {ANCHOR_BITS} or {AUTO!r}, got {self.anchor_bits!r}")
         if self.anchor_bits != 4 and self.method not in ("lynx", "paper"):
             bad(f"anchor_bits applies to method 'lynx' or 'paper' (their 8-bit code splits into an anchor and a "
                 f"residual); {self.method!r} has one stream")
@@ -195,6 +198,9 @@ class SpecConfig:
         less often right, so its tree is scored less sharply (tree_temperature 0.3) and kept wider (16 frontier
         nodes, up to 512 verified) — measured on many-shot prompts the acceptance check does not use
         (docs/drafting.md). `overrides` win."""
+        if bits not in ANCHOR_BITS:
+            raise ConfigError(f"SpecConfig.for_anchor takes an anchor width of {ANCHOR_BITS}, got {bits!r} (a config's "
+                              f"'auto' is resolved per request first: lynx_hf.width)")
         narrow = {} if bits == 4 else {"tree_temperature": 0.3, "tree_width": 16, "verify_nodes": 512}
         return cls(**{**narrow, **overrides})
 

@@ -26,14 +26,14 @@ def machine_mb() -> float:
 
 class number:
     """argparse type: an int (`integer`) or a float in [lo, hi] (`lo_open`: (lo, hi]); `zero` also admits 0 where
-    it has a meaning of its own (e.g. "off")."""
+    it has a meaning of its own (e.g. "off"); `words` are taken as they are (e.g. "auto")."""
 
     def __init__(self, lo: float, hi: float, *, integer: bool = False, lo_open: bool = False, zero: bool = False,
-                 meaning: str = ""):
-        self.lo, self.hi, self.integer, self.lo_open, self.zero = lo, hi, integer, lo_open, zero
+                 meaning: str = "", words: tuple = ()):
+        self.lo, self.hi, self.integer, self.lo_open, self.zero, self.words = lo, hi, integer, lo_open, zero, words
         self.__name__ = "int" if integer else "number"  # argparse's word for a value it cannot parse
         self.range = (f"{'(' if lo_open else '['}{lo:g}, {hi:g}]" + (" or 0" if zero else "")
-                      + (f" ({meaning})" if meaning else ""))
+                      + "".join(f" or {w}" for w in words) + (f" ({meaning})" if meaning else ""))
 
     def ok(self, x: float) -> bool:
         if self.zero and x == 0:
@@ -41,6 +41,8 @@ class number:
         return math.isfinite(x) and (x > self.lo if self.lo_open else x >= self.lo) and x <= self.hi
 
     def __call__(self, text: str):
+        if text in self.words:
+            return text
         try:
             x = int(text) if self.integer else float(text)
         except ValueError:
@@ -58,6 +60,11 @@ def tokens(lo: int = 1, hi: int = MAX_TOKENS, **kw) -> number:
 
 def count(hi: int, lo: int = 1, **kw) -> number:
     return number(lo, hi, integer=True, **kw)
+
+
+def anchor_width() -> number:
+    """--anchor-bits: 2, 3, 4 or auto (chosen per request: lynx_hf.width)."""
+    return count(4, lo=2, words=("auto",))
 
 
 def seconds(hi: float = MAX_TIMEOUT_S) -> number:

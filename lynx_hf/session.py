@@ -58,10 +58,11 @@ class TurnResult(DictReads):
     loader_error: str | None
     finish_reason: str = "length"  # "length" (max_new_tokens), "context" (the model's context ended), "stop"
     prefilled_on: str = "prefill"  # where the turn's new positions were computed: "prefill" or "decode" (Placement)
+    width: dict | None = None    # anchor_bits "auto": the width chosen, why, each width's forecast (lynx_hf.width)
 
     @classmethod
     def of(cls, tokens, t0, cache, held, prefix_hit, loader, max_new: int, clipped: bool,
-           prefilled_on: str = "prefill", refused: str | None = None) -> "TurnResult":
+           prefilled_on: str = "prefill", refused: str | None = None, width: dict | None = None) -> "TurnResult":
         gen, ver = cache.trace.times("draft", "verified"), cache.trace.times("verified")
         error = getattr(loader, "error", None)
         reason = ("context" if clipped else "length") if len(tokens) == max_new else "stop"
@@ -70,7 +71,7 @@ class TurnResult(DictReads):
                    list(cache.trace.events),
                    list(cache.trace.timeline), cache.nbytes(), cache.nbytes("anchor"), cache.nbytes("staged"),
                    getattr(loader, "cancelled", False), getattr(loader, "dropped", 0), getattr(loader, "placed", 0),
-                   None if error is None else str(error), reason, prefilled_on)
+                   None if error is None else str(error), reason, prefilled_on, width)
 
 
 PLACES = ("auto", "prefill", "decode")
@@ -178,7 +179,6 @@ class LocalLink:
 
         ids, max_new = check_turn(self.model, self.vocab, self.context, input_ids, max_new_tokens, cache)
         cfg = cache.quant_config if cache is not None and quant_config is None else quant_config or LynxQuantConfig()
-        spec = spec_config or SpecConfig.for_anchor(cfg.anchor_bits, max_draft_steps=64 if speculative else 0)
         with self._lock:
             t0 = time.perf_counter()
             keep = keep_cache or cache is not None
@@ -195,6 +195,8 @@ class LocalLink:
                     local.add_turn(self.model, cache, ids, self.residual_after_steps, self.bandwidth_bps)
                     held = cache.stats.held_tokens
             loader = cache.loader
+            spec = spec_config or SpecConfig.for_anchor(cache.quant_config.anchor_bits,  # (auto: the width taken)
+                                                        max_draft_steps=64 if speculative else 0)
             out = decode_turn(self.model, ids, cache, spec, max_new, gen_kwargs, t0)
             if not keep:
                 cache.close()  # an early stop ends the simulated link

@@ -339,3 +339,11 @@ def test_config_file_errors(tmp_path):
     (tmp_path / "lynx_config.json").write_text(json.dumps({"alpha": 1.0, "wings": 2}))
     with pytest.raises(ValueError, match="unknown fields"):
         LynxQuantConfig.from_pretrained(tmp_path)
+
+
+def test_the_paired_bootstrap_says_which_code_is_lower():
+    from lynx_hf.eval.anchor_widths import p_le
+
+    lo, hi = [0.1 * (i % 3) for i in range(30)], [0.1 * (i % 3) + 0.05 for i in range(30)]
+    assert p_le(lo, hi) == 1.0 and p_le(hi, lo) == 0.0
+    assert 0.2 < p_le(lo, lo[::-1]) <= 1.0  # the same values in another order: a tie the data cannot split

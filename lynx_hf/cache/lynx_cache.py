@@ -68,6 +68,9 @@ class LynxCache(Cache):
         super().__init__(layers=[LynxLayer(prompt_len, w, device) for w in windows])
         self.prompt_len = prompt_len
         self.quant_config = quant_config or LynxQuantConfig()  # what the prefill side encodes with
+        if self.quant_config.anchor_bits == "auto":
+            raise ValueError("LynxCache holds KV of one anchor width: anchor_bits='auto' is resolved before the KV "
+                             "is encoded (DecodeClient, from_prefill(..., bandwidth_bps=...): lynx_hf.width)")
         self.dtype, self.device, self.timeout_s = dtype, device, timeout_s
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)

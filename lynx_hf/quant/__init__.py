@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from ..config import METHODS, LynxQuantConfig
+from ..errors import ConfigError
 from . import baselines, exact, lynx
 from .shapes import SENT_AXES, StreamShapes, TensorSpec, coded_shapes, lynx_shapes, passthrough_shapes, uniform_shapes
 from .splitkv import TIERS, SplitKV
@@ -171,6 +172,10 @@ def _check_call(config, kind: str):
         raise ValueError(f"encode: config must be a LynxQuantConfig, got {type(config).__name__}")
     if kind not in ("key", "value"):
         raise ValueError(f"encode: kind must be 'key' or 'value', got {kind!r}")
+    if config.anchor_bits == "auto":
+        raise ConfigError("encode: anchor_bits='auto' is chosen per request before encoding (lynx_hf.width."
+                          "WidthPolicy, which DecodeClient and from_prefill(bandwidth_bps=...) use); give the "
+                          "codec a width: 2, 3 or 4")
     return config
 
 

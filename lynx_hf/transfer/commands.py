@@ -16,8 +16,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_HELP = "the model's dtype, so its KV's (both processes must run the same one)"
 EXACT_HELP = ("exact mode (Lynx codec only): a third stream makes the full tier the model's KV bit for bit, so the "
               "output equals plain generate in this dtype (default: equal to decoding the 8-bit full tier)")
-ANCHOR_BITS_HELP = ("the Lynx anchor's width in bits (2, 3, 4; default 4): the first stream carries the 8-bit code's "
-                    "top bits, the residual the rest, so a narrower anchor lands sooner and drafts on coarser KV")
+ANCHOR_BITS_HELP = ("the Lynx anchor's width in bits (2, 3, 4 or auto; default 4): the first stream carries the 8-bit "
+                    "code's top bits, the residual the rest, so a narrower anchor lands sooner and drafts on coarser "
+                    "KV; auto: chosen per request from the link's rate, the prompt and the drafts each width keeps")
 NIXL_HELP = "pip install 'lynx-hf[nixl]'; UCX_TLS / UCX_NET_DEVICES choose its transports and interfaces"
 
 
@@ -297,7 +298,7 @@ def register(sub) -> None:
 
 def _register_decode(sub) -> None:
     from ..config import METHODS
-    from ..flags import count, seconds, tokens
+    from ..flags import anchor_width, count, seconds, tokens
 
     q = sub.add_parser("serve-decode", help="the decode process: sends prompts, drafts, verifies, prints JSON lines",
                        formatter_class=HelpFormatter,
@@ -311,7 +312,7 @@ def _register_decode(sub) -> None:
     codec.add_argument("--lynx-config", help="the codec from a lynx_config.json (folder, file or Hub repo), e.g. "
                                              "written by `lynx-hf calibrate`")
     q.add_argument("--exact", action="store_true", help=EXACT_HELP)
-    q.add_argument("--anchor-bits", type=count(4, lo=2), help=ANCHOR_BITS_HELP)
+    q.add_argument("--anchor-bits", type=anchor_width(), help=ANCHOR_BITS_HELP)
     q.add_argument("--dtype", choices=DTYPES, default="float32", help=DTYPE_HELP)
     q.add_argument("--session", action="store_true",
                    help="one conversation: each input line is the next turn — plain text: a user message; a JSON "

@@ -24,6 +24,7 @@ from ..flags import MAX_TIMEOUT_S, seconds
 from ..loader import Loader
 from ..local import extend_here
 from ..session import PLACES, Placement, Session, TurnResult, check_turn, decode_turn
+from ..width import WidthChoice, WidthPolicy, resolve, step_from_trace, time_step, values_per_position
 from .prefix_cache import token_digest
 from . import nixl
 from .serde import check_correction, check_residual, stream_bound, to_split, unpack_logits, unpack_segment, warm
@@ -44,7 +45,8 @@ class NetworkLoader(Loader):
     def __init__(self, ch: Channel, prompt: dict, rid: int, timeout_s: float = 30.0, arena=None):
         """arena: the request's NIXL receive memory (`nixl.Arena`), which PLACED frames refer to; closed at END."""
         self.ch, self.p, self.rid, self.timeout, self.arena = ch, prompt, rid, timeout_s, arena
-        self.prefill_s: float | None = None
+        self.prefill_s: float | None = None  # END's: the request's time to its forward pass's end (waits included)
+        self.compute_s: float | None = None  # END's: the forward passes' own time
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.cancelled = False
@@ -84,7 +86,7 @@ class NetworkLoader(Loader):
                     self.ch.checker.skip_to(Stream.RESIDUAL, j.get("residual_frames"))
                     self.ch.checker.skip_to(Stream.CORRECTION, j.get("correction_frames", 0))
                     self.dropped = int(j.get("dropped") or 0)
-                    self.prefill_s = j.get("prefill_s")
+                    self._times(j)
                     self._release()
                     self.done.set()
                     return
@@ -96,7 +98,7 @@ class NetworkLoader(Loader):
                         raise WireError(f"END counts {j} do not match the frames received")
                     if self.cache.prefill_logits is None or not self.cache.residual_ready():
                         raise WireError("END before the whole prompt KV and the logits arrived")
-                    self.prefill_s = j.get("prefill_s")
+                    self._times(j)
                     self._release()
                     self.done.set()
                     return
@@ -124,6 +126,11 @@ class NetworkLoader(Loader):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no frame from the peer within {self.timeout:.3g} s")
         return self.ch.recv(self.timeout)
+
+    def _times(self, end: dict) -> None:
+        """END's times, kept when they are finite non-negative numbers (a peer's other values are not times)."""
+        ok = lambda v: float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e9 else None
+        self.prefill_s, self.compute_s = ok(end.get("prefill_s")), ok(end.get("compute_s"))
 
     def _release(self) -> None:
         """The streams have ended: nothing more is written into the arena (every write completed before its PLACED
@@ -157,7 +164,7 @@ class DecodeClient:
     def __init__(self, model, host: str | None = None, port: int | None = None, secret: str | None = None,
                  timeout_s: float = 30.0, insecure: bool = False, tls: bool = False, tls_ca: str | None = None,
                  transport=None, model_fingerprint: str | None = None, data_plane: str = "tcp",
-                 prefill_on: str = "prefill"):
+                 prefill_on: str = "prefill", link_bps: float | None = None):
         """tls / tls_ca: speak TLS, trusting the system's CAs or the PEM file `tls_ca` (a private CA or a
         self-signed server certificate); the server's certificate must name `host`. transport: an open Transport
         instead of host/port (e.g. a DistTransport to the prefill rank, whose side runs `server_handshake` and
@@ -166,12 +173,15 @@ class DecodeClient:
         them into this process's memory: `pip install 'lynx-hf[nixl]'`, a server started with --data-plane nixl).
         prefill_on: where a continued turn's new positions are computed — "prefill" (the prefill server), "decode"
         (here, in full precision: nothing crosses the link) or "auto" (`session.Placement`: the faster by rates
-        measured on this connection); a turn may override it. Everything this side must compute happens before it
-        connects, so that the server's handshake deadline measures the network and the peer only."""
+        measured on this connection); a turn may override it. link_bps: the link's rate (bits/s) if known, for
+        `anchor_bits="auto"` (`self.width`, lynx_hf.width: without it, measured from the first request). Everything
+        this side must compute happens before it connects, so that the server's handshake deadline measures the
+        network and the peer only."""
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not seconds().ok(timeout_s):
             raise ConfigError(f"timeout_s must be a finite number of seconds in (0, {MAX_TIMEOUT_S:g}], got {timeout_s!r}")
         self.model, self.timeout = model, timeout_s
         self.placement = Placement(prefill_on)
+        self.width = WidthPolicy(link_bps)
         self.context = max_prompt_tokens(model)
         nixl.check_plane(data_plane)
         self.data_plane = data_plane
@@ -246,6 +256,7 @@ class DecodeClient:
         if cache is not None:  # the turn runs on a branch: whatever fails, `cache` stays as it was
             cache = cache.fork()
         held = cache.conversation.continue_turn(ids) if cache is not None else 0  # waits for the last turn's residual
+        cfg, width = self._width(cfg, cache, ids.shape[1] - held, max_new)
         spec = spec_config or SpecConfig.for_anchor(cfg.anchor_bits, max_draft_steps=64 if speculative else 0)
         if held and cfg.exact:  # exact mode: a turn goes on where Transformers' own would (the held KV, one forward)
             prefill_on = "decode"
@@ -269,8 +280,33 @@ class DecodeClient:
         self._settle(cache, loader, cancel=not keep)  # without keep, an early stop cancels the frames still queued
         ttft = cache.trace.times("draft", "verified")
         self.placement.observe("prefill", ids.shape[1] - p["start"], ttft[0] if ttft else None)
+        self._observe_width(cfg, cache, loader, ids.shape[1] - p["start"], ids.shape[1] - (p.get("prefix_hit") or 0))
         return TurnResult.of(out[0, ids.shape[1]:].tolist(), t0, cache, held, p.get("prefix_hit"), loader, max_new,
-                             clipped, refused=p.get("refused"))
+                             clipped, refused=p.get("refused"), width=width)
+
+    def _width(self, cfg: LynxQuantConfig, cache, positions: int, max_new: int):
+        """(the config this request is sent with, the width choice as a dict or None): anchor_bits "auto" is chosen
+        by `self.width`; a continued turn keeps its cache's width."""
+        if cfg.anchor_bits != "auto":
+            return cfg, None
+        if cache is not None:
+            choice = WidthChoice(cache.quant_config.anchor_bits, "a continued turn keeps its cache's width")
+        else:
+            if self.width.step_s is None:
+                self.width.step_s = time_step(self.model)
+            choice = self.width.choose(positions, values_per_position(self.geometry), max_new, chunk=cfg.chunk_size)
+        return resolve(cfg, choice), choice.as_dict()
+
+    def _observe_width(self, cfg: LynxQuantConfig, cache, loader, shipped: int, computed: int) -> None:
+        """What this request tells the width policy: the drafts its width kept, the link's rate, the compute."""
+        st, lynx = cache.stats, cfg.method in ("lynx", "paper")
+        if lynx:
+            self.width.observe(cfg.anchor_bits, st.drafted, st.accepted)
+        # the prefill's compute includes its encoding: another codec's (CacheGen's coder) says little of Lynx's
+        self.width.observe_link(cache.nbytes(), st.residual_at_s, loader.compute_s if lynx else None, computed)
+        step = step_from_trace(cache.trace.times("draft") if st.drafted else cache.trace.times("verified")[1:])
+        if step is not None:
+            self.width.step_s = step
 
     def _turn_here(self, ids, max_new, clipped, spec, cache, held, gen_kwargs) -> TurnResult:
         """A continued turn whose new positions [held, L) are computed here, in full precision: nothing crosses

@@ -236,6 +236,9 @@ class _Prefill:
             self.ids, self.cfg = ids, LynxQuantConfig.from_dict(self.req.get("quant_config") or {})
         except (ValueError, TypeError) as e:
             raise RequestRefused(f"bad quant_config: {e}") from None
+        if self.cfg.anchor_bits == "auto":
+            raise RequestRefused("quant_config: anchor_bits 'auto' is chosen by the decode side before it sends a "
+                                 "request; send the width (2, 3 or 4)")
         if self.cfg.exact and len(ids) > node.step:
             raise RequestRefused(f"exact mode prefills a prompt in one forward pass, as plain generate's prefill does "
                                  f"(chunks round differently): {len(ids)} tokens exceed this server's --prefill-step "
@@ -352,6 +355,7 @@ class _Prefill:
         end = ch.send_json(FrameType.END, {"anchor_frames": ch.out_seq[Stream.ANCHOR],
                                            "residual_frames": ch.out_seq[Stream.RESIDUAL],
                                            "correction_frames": ch.out_seq[Stream.CORRECTION], "prefill_s": prefill_s,
+                                           "compute_s": self.compute_s,
                                            "cancelled": dropped is not None, "dropped": dropped or 0},
                            self.rid, PRIO_END, wait=False)
         end.result(ch.t.send_timeout_s + 5)

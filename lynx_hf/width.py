@@ -1,0 +1,152 @@
+"""`LynxQuantConfig(anchor_bits="auto")`: the anchor width a request takes, chosen before it is sent.
+
+Contract. `WidthPolicy.choose(positions, values_per_position, new_tokens)` → a `WidthChoice` (the width, the
+forecast of every width, why); `observe(bits, drafted, accepted)` after a request that drafted tells the policy what
+a draft step kept at that width; `observe_link(bytes, seconds)` what the link delivered. `resolve(config, choice)`
+is the config with that width. The network client owns one policy (`DecodeClient.width`, so a `Session` learns
+across its turns); `LynxCache.from_prefill(..., bandwidth_bps=...)` resolves a config with a policy on that
+simulated link. A continued turn keeps its cache's width (the held KV's digest names it).
+
+Terms, per request: P the positions shipped, V the values one position carries (layers · 2 · KV heads · head
+dim), bw the link's rate (bits/s), c the prefill node's compute per position (0 until measured: a link-bound
+guess), s one draft step's time on this node, κ(b) the drafts verification keeps per draft step at width b, N the
+verified tokens the forecast is about (32, or max_new_tokens when fewer), m the anchor's metadata (μ and σ in fp16
+per group of C values: 32 / C bits a value), lead the steps before the residual's arrival at which drafting stops
+(SpecConfig.verify_lead).
+
+Forecast — the timeline of `lynx-hf simulate` with the prefill's compute in it (layers stream as they are computed):
+  anchor in      T_a(b) = max(c·P, P·V·(b + m) / bw)
+  residual in    T_r    = max(c·P, P·V·(8 + m) / bw)          the same at every width: anchor + residual = the code
+  draft steps    n(b)   = max(0, (T_r − T_a(b)) / s − lead)
+  drafts kept    k(b)   = min(N − 1, κ(b) · n(b))
+  TT32T(b)       = T_r + (N − 1 − k(b)) · s                   (the first token is the prefill's, at T_a(b))
+Rule: of the widths whose forecast TT32T is within `slack` (2 %) of the best width's, the one whose anchor lands
+first (its first token comes sooner, its verified tokens no later; a tie — a compute-bound prefill — goes to the
+wider, better code); 4 bits while the link's rate is unknown (no hint, nothing received yet). κ starts from the acceptance measured on many-shot prompts (docs/drafting.md, "Anchor width") and follows
+what this policy's requests keep (the mean of the prior and each observation, newest weighted half)."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+from .config import ANCHOR_BITS, LynxQuantConfig
+
+# drafts kept per draft step, residual after 31 steps, many-shot MMLU-Pro prompts of 1K and 2K tokens (check_accept's
+# protocol; docs/drafting.md): 4 bits 31.0 of 31, 3 bits 25.4, 2 bits 10.8
+KEPT_PER_STEP = {4: 1.0, 3: 25.4 / 31, 2: 10.8 / 31}
+SLACK = 0.02
+MIN_OBSERVED_STEPS = 4  # a request that drafted fewer steps says too little about κ
+MIN_COMPUTE_POSITIONS = 256  # a shorter prefill's time is mostly fixed costs, not a rate per position
+
+
+@dataclass(frozen=True)
+class Forecast:
+    bits: int
+    anchor_s: float    # T_a: the first token, about
+    residual_s: float  # T_r
+    draft_steps: float
+    kept: float
+    tt32t_s: float
+
+
+@dataclass(frozen=True)
+class WidthChoice:
+    bits: int
+    why: str
+    forecasts: tuple = ()
+
+    def as_dict(self) -> dict:
+        return {"anchor_bits": self.bits, "why": self.why,
+                "forecast": {f.bits: {"anchor_s": round(f.anchor_s, 3), "tt32t_s": round(f.tt32t_s, 3),
+                                      "kept": round(f.kept, 1)} for f in self.forecasts}}
+
+
+def forecast(bits: int, positions: int, values_per_position: int, link_bps: float, step_s: float,
+             kept_per_step: float, compute_s_per_position: float = 0.0, new_tokens: int = 32, lead: float = 3.0,
+             chunk: int = 64) -> Forecast:
+    """The forecast above for one width."""
+    m = 32 / chunk
+    compute = compute_s_per_position * positions
+    t_a = max(compute, positions * values_per_position * (bits + m) / link_bps)
+    t_r = max(compute, positions * values_per_position * (8 + m) / link_bps)
+    n = max(0.0, (t_r - t_a) / step_s - lead)
+    kept = min(new_tokens - 1, kept_per_step * n)
+    return Forecast(bits, t_a, t_r, n, kept, t_r + (new_tokens - 1 - kept) * step_s)
+
+
+@dataclass
+class WidthPolicy:
+    """Chooses `anchor_bits` per request (the module's rule) from what it is told and what it measures."""
+
+    link_bps: float | None = None                 # a hint, or measured by observe_link
+    step_s: float | None = None                   # a draft step's seconds here (measured by the caller)
+    compute_s_per_position: float = 0.0
+    slack: float = SLACK
+    kept_per_step: dict = field(default_factory=lambda: dict(KEPT_PER_STEP))
+
+    def __post_init__(self):
+        if self.link_bps is not None and not (isinstance(self.link_bps, (int, float)) and self.link_bps > 0):
+            raise ValueError(f"link_bps must be a number > 0 (bits/s), got {self.link_bps!r}")
+        self._hinted = self.link_bps is not None
+
+    def choose(self, positions: int, values_per_position: int, new_tokens: int = 32, lead: float = 3.0,
+               chunk: int = 64) -> WidthChoice:
+        if self.link_bps is None or self.step_s is None:
+            return WidthChoice(4, "the link's rate is not known yet: 4 bits (the widest anchor)")
+        n = max(2, min(32, new_tokens))
+        fs = tuple(forecast(b, positions, values_per_position, self.link_bps, self.step_s, self.kept_per_step[b],
+                            self.compute_s_per_position, n, lead, chunk) for b in sorted(ANCHOR_BITS, reverse=True))
+        best = min(f.tt32t_s for f in fs)
+        near = [f for f in fs if f.tt32t_s <= best * (1 + self.slack)]
+        pick = min(near, key=lambda f: (round(f.anchor_s, 6), -f.bits))  # the first token soonest; a tie: wider
+        why = (f"of the widths whose forecast TT32T is within {self.slack:.0%} of the best ({best:.2f} s), the one "
+               f"whose anchor lands first ({pick.anchor_s:.2f} s)")
+        return WidthChoice(pick.bits, why, fs)
+
+    def observe(self, bits: int, drafted: int, accepted: float) -> None:
+        """A request at width `bits` drafted `drafted` steps of which verification kept `accepted`."""
+        if bits in self.kept_per_step and drafted >= MIN_OBSERVED_STEPS:
+            self.kept_per_step[bits] = 0.5 * self.kept_per_step[bits] + 0.5 * min(1.0, accepted / drafted)
+
+    def observe_link(self, nbytes: int, seconds: float | None, compute_s: float | None = None,
+                     positions: int = 0) -> None:
+        """A request's `nbytes` delivered `seconds` after it was sent (its last segment), of which the prefill
+        node computed `positions` in `compute_s`. A rate given as a hint stays; else the latest measurement is
+        the link's rate (a lower bound of it when the prefill's compute paced the stream)."""
+        if seconds is not None and seconds > 0 and nbytes > 0 and not self._hinted:
+            self.link_bps = 8 * nbytes / seconds
+        if compute_s is not None and positions >= MIN_COMPUTE_POSITIONS:
+            self.compute_s_per_position = compute_s / positions
+
+
+def resolve(config: LynxQuantConfig, choice: WidthChoice) -> LynxQuantConfig:
+    """`config` with the chosen width."""
+    return dataclasses.replace(config, anchor_bits=choice.bits)
+
+
+def values_per_position(geometry: dict) -> int:
+    """V from a KV geometry (arch.kv_geometry): layers · 2 (K and V) · KV heads · head dim."""
+    return geometry["num_layers"] * 2 * geometry["kv_heads"] * geometry["head_dim"]
+
+
+def time_step(model, tokens: int = 8) -> float:
+    """A draft step's seconds on this node, about: one timed forward of `tokens` positions (a tree step's frontier),
+    after an untimed one (it leaves out attention over a long prompt: an underestimate there)."""
+    import torch
+
+    ids = torch.full((1, tokens), 3, dtype=torch.long, device=next(model.parameters()).device)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False, logits_to_keep=1)
+        t = time.perf_counter()
+        model(input_ids=ids, use_cache=False, logits_to_keep=1)
+        return time.perf_counter() - t
+
+
+def step_from_trace(times: list[float]) -> float | None:
+    """A step's seconds from a request's marks — its draft steps (Trace.times("draft")), or, for a request that did
+    not draft, its one-token decode steps (Trace.times("verified"), a lower bound of a tree step): their mean
+    spacing, when there are at least MIN_OBSERVED_STEPS."""
+    if len(times) < MIN_OBSERVED_STEPS:
+        return None
+    return (times[-1] - times[0]) / (len(times) - 1)

@@ -1,0 +1,138 @@
+"""`anchor_bits="auto"` (lynx_hf.width): the forecast's arithmetic, the choice rule (4 bits while the link is unknown,
+else of the widths within the slack of the best forecast TT32T the one whose anchor lands first), what observations
+change, the config and
+every codec entry refusing an unresolved width, and the width chosen per request in process and over the network
+(the tiny model; a loopback server in this process), a continued turn keeping its cache's width."""
+import pytest
+import torch
+from conftest import LOOPBACK_SECRET as SECRET, tiny_ids
+
+import lynx_hf
+from lynx_hf import LynxCache, LynxQuantConfig as Q, SpecConfig
+from lynx_hf.errors import ConfigError
+from lynx_hf.quant import encode
+from lynx_hf.transfer.decode import DecodeClient
+from lynx_hf.transfer.wire import RequestRefused
+from lynx_hf.width import (KEPT_PER_STEP, WidthChoice, WidthPolicy, forecast, resolve, step_from_trace,
+                           values_per_position)
+
+V = 11520  # the embedded model's values per position (30 layers · 2 · 3 KV heads · 64)
+
+
+def test_the_forecast_is_the_documented_timeline():
+    # 1000 positions, 1 Mbit/s: anchor 4.5 bits → 51.84 s, residual 8.5 → 97.92 s; 0.5 s steps, lead 3
+    f = forecast(4, 1000, V, 1e6, 0.5, 0.5, new_tokens=32, lead=3.0)
+    assert f.anchor_s == pytest.approx(1000 * V * 4.5 / 1e6)
+    assert f.residual_s == pytest.approx(1000 * V * 8.5 / 1e6)
+    assert f.draft_steps == pytest.approx((f.residual_s - f.anchor_s) / 0.5 - 3)
+    assert f.kept == 31  # 0.5 · 89 steps caps at N − 1
+    assert f.tt32t_s == pytest.approx(f.residual_s)
+    # compute-bound: both land when the prefill ends, no draft step, every token after the residual
+    g = forecast(3, 1000, V, 1e9, 0.1, 1.0, compute_s_per_position=0.01, new_tokens=32)
+    assert g.anchor_s == g.residual_s == pytest.approx(10.0)
+    assert g.draft_steps == 0 and g.kept == 0 and g.tt32t_s == pytest.approx(10.0 + 31 * 0.1)
+
+
+def test_an_unknown_link_takes_four_bits():
+    c = WidthPolicy().choose(1024, V)
+    assert c.bits == 4 and "not known" in c.why and c.forecasts == ()
+    assert WidthPolicy(link_bps=15e6).choose(1024, V).bits == 4  # no step time yet either
+
+
+def test_the_earliest_anchor_within_the_slack_of_the_best_tt32t():
+    # a short window (1024 positions at 15 Mbit/s, 0.15 s steps): a narrower anchor buys draft steps
+    p = WidthPolicy(link_bps=15e6, step_s=0.15, kept_per_step={4: 1.0, 3: 1.0, 2: 1.0})
+    c = p.choose(1024, V)
+    assert c.bits == 2 and len(c.forecasts) == 3
+    best = min(f.tt32t_s for f in c.forecasts)
+    assert next(f for f in c.forecasts if f.bits == 2).tt32t_s <= best * 1.02
+    # the same link when narrow anchors keep few drafts: 4 bits
+    p.kept_per_step = {4: 1.0, 3: 0.3, 2: 0.1}
+    assert p.choose(1024, V).bits == 4
+    # a long window: every width drafts all 31, so they tie and the earliest anchor (the narrowest) goes
+    slow = WidthPolicy(link_bps=1e6, step_s=0.15, kept_per_step={4: 1.0, 3: 0.9, 2: 0.9})
+    assert slow.choose(1024, V).bits == 2
+    d = slow.choose(1024, V).as_dict()
+    assert d["anchor_bits"] == 2 and set(d["forecast"]) == {4, 3, 2}
+    # a compute-bound prefill: every anchor lands when the prefill ends, so nothing is gained: the wider code
+    busy = WidthPolicy(link_bps=1e9, step_s=0.15, compute_s_per_position=0.01)
+    assert busy.choose(1024, V).bits == 4
+
+
+def test_observations_move_the_kept_drafts_and_the_link():
+    p = WidthPolicy()
+    p.observe(3, drafted=20, accepted=0.0)
+    assert p.kept_per_step[3] == pytest.approx(0.5 * KEPT_PER_STEP[3])
+    p.observe(3, drafted=3, accepted=0.0)  # too few steps to say anything
+    assert p.kept_per_step[3] == pytest.approx(0.5 * KEPT_PER_STEP[3])
+    p.observe(4, drafted=10, accepted=10.0)
+    assert p.kept_per_step[4] == 1.0
+    p.observe_link(1_000_000, 2.0, compute_s=1.0, positions=500)
+    assert p.link_bps == 4e6 and p.compute_s_per_position == pytest.approx(0.002)
+    p.observe_link(1_000, 0.5, compute_s=0.9, positions=64)  # a short prefill: mostly fixed costs, no rate
+    assert p.compute_s_per_position == pytest.approx(0.002)
+    p.observe_link(1_000_000, 4.0)
+    assert p.link_bps == 2e6  # measured: the latest
+    hinted = WidthPolicy(link_bps=15e6)
+    hinted.observe_link(1_000_000, 4.0)
+    assert hinted.link_bps == 15e6  # a hint stays
+    assert step_from_trace([0.0, 0.1]) is None and step_from_trace([1.0, 1.2, 1.4, 1.6]) == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="link_bps"):
+        WidthPolicy(link_bps=0)
+
+
+def test_auto_is_a_setting_the_codec_refuses_unresolved(tiny):
+    cfg = Q(anchor_bits="auto")
+    assert Q.from_dict(cfg.to_dict()) == cfg
+    assert resolve(cfg, WidthChoice(3, "test")) == Q(anchor_bits=3)
+    with pytest.raises(ConfigError, match="anchor_bits"):
+        Q(method="int8", anchor_bits="auto")
+    with pytest.raises(ConfigError, match="chosen per request"):
+        encode(torch.randn(1, 2, 8, 16), cfg)
+    with pytest.raises(ValueError, match="one anchor width"):
+        LynxCache(2, 8, cfg)
+    assert values_per_position({"num_layers": 30, "kv_heads": 3, "head_dim": 64}) == V
+
+
+def test_from_prefill_resolves_auto_for_its_link(tiny):
+    ids = torch.tensor([tiny_ids(40, 1)])
+    cache, _ = LynxCache.from_prefill(tiny, ids, quant_config=Q(anchor_bits="auto"), residual_after_steps=2)
+    assert cache.quant_config.anchor_bits == 4  # no link: nothing to gain from a narrower anchor
+    cache, _ = LynxCache.from_prefill(tiny, ids, quant_config=Q(anchor_bits="auto"), bandwidth_bps=2e5)
+    assert cache.quant_config.anchor_bits in (2, 3, 4)
+    out = tiny.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate, max_new_tokens=6,
+                        do_sample=False)
+    plain, _ = LynxCache.from_prefill(tiny, ids, quant_config=cache.quant_config)  # that width, no drafts
+    ref = tiny.generate(ids, cache=plain, custom_generate=lynx_hf.speculative_generate, max_new_tokens=6,
+                        do_sample=False, spec_config=SpecConfig(max_draft_steps=0))
+    assert out.tolist() == ref.tolist()
+
+
+def test_the_client_chooses_per_request_and_a_turn_keeps_its_width(tiny, loopback_server):
+    cli = DecodeClient(tiny, *loopback_server.address, secret=SECRET, link_bps=2e5)
+    try:
+        ids = tiny_ids(60, 2)
+        r = cli.generate(ids, Q(anchor_bits="auto"), max_new_tokens=6, keep_cache=True)
+        bits = r.cache.quant_config.anchor_bits
+        assert r.width["anchor_bits"] == bits in (2, 3, 4) and set(r.width["forecast"]) == {2, 3, 4}
+        r2 = cli.generate(ids + r.tokens + tiny_ids(10, 3), Q(anchor_bits="auto"), max_new_tokens=6, cache=r.cache)
+        assert r2.cache.quant_config.anchor_bits == bits and "keeps" in r2.width["why"]
+        assert r2.held_tokens > 0
+        # an unresolved width on the wire is the server's refusal of that request; the connection goes on
+        with pytest.raises(RequestRefused, match="auto"):
+            cli._request(torch.tensor([ids]), Q(anchor_bits="auto"), 0)
+        assert cli.generate(ids, Q(), max_new_tokens=3)["tokens"]
+    finally:
+        cli.close()
+
+
+def test_a_local_session_resolves_auto_and_drafts_with_that_widths_settings(tiny):
+    from lynx_hf.session import LocalLink
+
+    link = LocalLink(tiny, bandwidth_bps=2e5)
+    ids = tiny_ids(50, 4)
+    r = link.generate(ids, Q(anchor_bits="auto"), max_new_tokens=6, keep_cache=True)
+    bits = r.cache.quant_config.anchor_bits
+    assert bits in (2, 3, 4) and len(r.tokens) == 6
+    r2 = link.generate(ids + r.tokens + tiny_ids(8, 5), Q(anchor_bits="auto"), max_new_tokens=4, cache=r.cache)
+    assert r2.cache.quant_config.anchor_bits == bits and r2.held_tokens > 0
