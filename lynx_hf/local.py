@@ -294,7 +294,7 @@ def from_kv(cls, model, prompt_len: int, kv, logits: torch.Tensor, quant_config:
     windows = layer_windows(model.config)
     if quant_config is not None and quant_config.anchor_bits == "auto":  # the width for this simulated link
         V = sum(k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3] for k, v in kv)  # values a position carries
-        quant_config = resolve(quant_config, WidthPolicy(bandwidth_bps, time_step(model) if bandwidth_bps else None)
+        quant_config = resolve(quant_config, WidthPolicy(bandwidth_bps, time_step(model, prompt_len) if bandwidth_bps else None)
                                .choose(prompt_len, V))
     cache = cls(len(windows), prompt_len, quant_config, dtype=kv[0][0].dtype, device=kv[0][0].device,
                 sliding_windows=windows).bind(model)

@@ -293,7 +293,7 @@ class DecodeClient:
             choice = WidthChoice(cache.quant_config.anchor_bits, "a continued turn keeps its cache's width")
         else:
             if self.width.step_s is None:
-                self.width.step_s = time_step(self.model)
+                self.width.step_s = time_step(self.model, positions)
             choice = self.width.choose(positions, values_per_position(self.geometry), max_new, chunk=cfg.chunk_size)
         return resolve(cfg, choice), choice.as_dict()
 
@@ -304,7 +304,7 @@ class DecodeClient:
             self.width.observe(cfg.anchor_bits, st.drafted, st.accepted)
         # the prefill's compute includes its encoding: another codec's (CacheGen's coder) says little of Lynx's
         self.width.observe_link(cache.nbytes(), st.residual_at_s, loader.compute_s if lynx else None, computed)
-        step = step_from_trace(cache.trace.times("draft") if st.drafted else cache.trace.times("verified")[1:])
+        step = step_from_trace(cache.trace.times("draft"))
         if step is not None:
             self.width.step_s = step
 
