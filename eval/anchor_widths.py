@@ -9,9 +9,10 @@ Terms. A kind's KL is the mean over its prompts × positions. Next-token KL is h
 can carry most of a prompt's total (measured: one position of 48 carried 0.85 of a prompt's 1.59 nats), so a
 comparison on one prompt says little. `p_le` is the paired bootstrap's answer to "is the anchor's KL at most the
 plain code's on this kind": the fraction of `BOOT` resamples (positions drawn with replacement, the same draws for
-both codes) in which the anchor's mean is at most the plain code's — near 1 a clear win, near 0 a clear loss, near
-0.5 a tie the data cannot split. Ends with one JSON line {"kl": {method: {kind: KL}}, "bits": {method: bits/value},
-"wins": {...}, "p_le": {...}, ...}."""
+both codes) in which the anchor's mean is below the plain code's, ties counting half — near 1 a clear win, near 0
+a clear loss, near 0.5 a tie the data cannot split (positions of one prompt are not independent: it overstates
+certainty). Ends with one JSON line {"kl": {method: {kind: KL}}, "bits": {method: bits/value}, "wins": {...},
+"p_le": {...}, ...}."""
 from __future__ import annotations
 
 import inspect
@@ -65,11 +66,13 @@ def texts(prompts: int = 3) -> dict:
 
 
 def p_le(a: list[float], b: list[float], boot: int = BOOT, seed: int = 0) -> float:
-    """Paired bootstrap: the fraction of resamples of the positions in which mean(a) <= mean(b)."""
+    """Paired bootstrap: the fraction of resamples of the positions in which mean(a) < mean(b), a tie counting
+    half. (Positions are resampled as if independent; those of one prompt are not, so this overstates certainty.)"""
     x, y = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, len(x), (boot, len(x)), generator=g)
-    return float((x[idx].mean(1) <= y[idx].mean(1)).double().mean())
+    mx, my = x[idx].mean(1), y[idx].mean(1)
+    return float(((mx < my).double() + 0.5 * (mx == my).double()).mean())
 
 
 def run(tokens: int = 1024, gen: int = 48, prompts: int = 3, model_name: str | None = None, out=print) -> dict:

@@ -27,7 +27,7 @@ from .errors import ConfigError
 from .link import LinkEmulator
 from .loader import Loader
 from .quant import SplitKV, encode
-from .width import WidthPolicy, resolve, time_step
+from .width import WidthPolicy, resolve, step_times
 
 
 class PromptCapture(DynamicCache):
@@ -294,8 +294,10 @@ def from_kv(cls, model, prompt_len: int, kv, logits: torch.Tensor, quant_config:
     windows = layer_windows(model.config)
     if quant_config is not None and quant_config.anchor_bits == "auto":  # the width for this simulated link
         V = sum(k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3] for k, v in kv)  # values a position carries
-        quant_config = resolve(quant_config, WidthPolicy(bandwidth_bps, time_step(model, prompt_len) if bandwidth_bps else None)
-                               .choose(prompt_len, V))
+        if bandwidth_bps is not None and not bandwidth_bps > 0:
+            raise ConfigError(f"bandwidth_bps must be > 0 (bits/s), got {bandwidth_bps!r}")
+        policy = WidthPolicy(bandwidth_bps, step_times(model, prompt_len) if bandwidth_bps else None)
+        quant_config = resolve(quant_config, policy.choose(prompt_len, V, chunk=quant_config.chunk_size))
     cache = cls(len(windows), prompt_len, quant_config, dtype=kv[0][0].dtype, device=kv[0][0].device,
                 sliding_windows=windows).bind(model)
     cache.put_logits(logits)

@@ -36,6 +36,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..config import LynxQuantConfig
+from ..errors import ConfigError
 from ..loader import LoaderError
 from ..quant import SplitKV
 from ..trace import Trace
@@ -69,7 +70,7 @@ class LynxCache(Cache):
         self.prompt_len = prompt_len
         self.quant_config = quant_config or LynxQuantConfig()  # what the prefill side encodes with
         if self.quant_config.anchor_bits == "auto":
-            raise ValueError("LynxCache holds KV of one anchor width: anchor_bits='auto' is resolved before the KV "
+            raise ConfigError("LynxCache holds KV of one anchor width: anchor_bits='auto' is resolved before the KV "
                              "is encoded (DecodeClient, from_prefill(..., bandwidth_bps=...): lynx_hf.width)")
         self.dtype, self.device, self.timeout_s = dtype, device, timeout_s
         self._lock = threading.Lock()

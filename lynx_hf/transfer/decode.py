@@ -24,7 +24,7 @@ from ..flags import MAX_TIMEOUT_S, seconds
 from ..loader import Loader
 from ..local import extend_here
 from ..session import PLACES, Placement, Session, TurnResult, check_turn, decode_turn
-from ..width import WidthChoice, WidthPolicy, resolve, step_from_trace, time_step, values_per_position
+from ..width import WidthChoice, WidthPolicy, resolve, step_from_trace, step_times, values_per_position
 from .prefix_cache import token_digest
 from . import nixl
 from .serde import check_correction, check_residual, stream_bound, to_split, unpack_logits, unpack_segment, warm
@@ -256,7 +256,8 @@ class DecodeClient:
         if cache is not None:  # the turn runs on a branch: whatever fails, `cache` stays as it was
             cache = cache.fork()
         held = cache.conversation.continue_turn(ids) if cache is not None else 0  # waits for the last turn's residual
-        cfg, width = self._width(cfg, cache, ids.shape[1] - held, max_new)
+        cfg, width = self._width(cfg, cache, ids.shape[1] - held, max_new, spec_config,
+                                 0 if not speculative or cfg.exact else None)
         spec = spec_config or SpecConfig.for_anchor(cfg.anchor_bits, max_draft_steps=64 if speculative else 0)
         if held and cfg.exact:  # exact mode: a turn goes on where Transformers' own would (the held KV, one forward)
             prefill_on = "decode"
@@ -280,33 +281,38 @@ class DecodeClient:
         self._settle(cache, loader, cancel=not keep)  # without keep, an early stop cancels the frames still queued
         ttft = cache.trace.times("draft", "verified")
         self.placement.observe("prefill", ids.shape[1] - p["start"], ttft[0] if ttft else None)
-        self._observe_width(cfg, cache, loader, ids.shape[1] - p["start"], ids.shape[1] - (p.get("prefix_hit") or 0))
+        self._observe_width(cfg, cache, loader, ids.shape[1] - (p.get("prefix_hit") or 0))
         return TurnResult.of(out[0, ids.shape[1]:].tolist(), t0, cache, held, p.get("prefix_hit"), loader, max_new,
                              clipped, refused=p.get("refused"), width=width)
 
-    def _width(self, cfg: LynxQuantConfig, cache, positions: int, max_new: int):
+    def _width(self, cfg: LynxQuantConfig, cache, positions: int, max_new: int, spec: SpecConfig | None,
+               steps: int | None):
         """(the config this request is sent with, the width choice as a dict or None): anchor_bits "auto" is chosen
-        by `self.width`; a continued turn keeps its cache's width."""
+        by `self.width` with this request's drafting settings (`steps` 0: it does not draft); a continued turn
+        keeps its cache's width."""
         if cfg.anchor_bits != "auto":
             return cfg, None
         if cache is not None:
             choice = WidthChoice(cache.quant_config.anchor_bits, "a continued turn keeps its cache's width")
         else:
             if self.width.step_s is None:
-                self.width.step_s = time_step(self.model, positions)
-            choice = self.width.choose(positions, values_per_position(self.geometry), max_new, chunk=cfg.chunk_size)
+                self.width.step_s = step_times(self.model, positions)
+            base = spec or SpecConfig()
+            choice = self.width.choose(positions, values_per_position(self.geometry), max_new, base.verify_lead,
+                                       cfg.chunk_size, base.max_draft_steps if steps is None else steps)
         return resolve(cfg, choice), choice.as_dict()
 
-    def _observe_width(self, cfg: LynxQuantConfig, cache, loader, shipped: int, computed: int) -> None:
-        """What this request tells the width policy: the drafts its width kept, the link's rate, the compute."""
-        st, lynx = cache.stats, cfg.method in ("lynx", "paper")
-        if lynx:
-            self.width.observe(cfg.anchor_bits, st.drafted, st.accepted)
-        # the prefill's compute includes its encoding: another codec's (CacheGen's coder) says little of Lynx's
-        self.width.observe_link(cache.nbytes(), st.residual_at_s, loader.compute_s if lynx else None, computed)
+    def _observe_width(self, cfg: LynxQuantConfig, cache, loader, computed: int) -> None:
+        """What a Lynx request tells the width policy: the drafts its width kept, the link's rate, the compute and
+        its draft steps' time (another codec's stream is paced by its own encoder: CacheGen's coder)."""
+        if cfg.method not in ("lynx", "paper"):
+            return
+        st = cache.stats
+        self.width.observe(cfg.anchor_bits, st.drafted, st.accepted)
+        self.width.observe_link(cache.nbytes(), st.residual_at_s, loader.compute_s, computed)
         step = step_from_trace(cache.trace.times("draft"))
-        if step is not None:
-            self.width.step_s = step
+        if step is not None and self.width.step_s is not None:
+            self.width.step_s[cfg.anchor_bits] = step
 
     def _turn_here(self, ids, max_new, clipped, spec, cache, held, gen_kwargs) -> TurnResult:
         """A continued turn whose new positions [held, L) are computed here, in full precision: nothing crosses

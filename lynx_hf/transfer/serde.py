@@ -14,6 +14,7 @@ import torch
 
 from ..arch import window_positions
 from ..config import LynxQuantConfig
+from ..errors import ConfigError
 from ..quant import SplitKV, StreamShapes, codec, stream_shapes
 from ..quant.exact import check_correction as framing
 from ..quant.shapes import SENT_AXES
@@ -133,6 +134,8 @@ def segment_bound(config: LynxQuantConfig, kind: str, shape: tuple, dtype: torch
     mode, correction), on any axis the codec sends (a coded stream: its bound)."""
     table = lambda specs: 1 + sum(2 + len(n) + TENS.size + 4 * len(m.shape or (m.nbytes,)) + m.nbytes
                                   for n, m in specs.items())
+    if config.anchor_bits == "auto":
+        raise ConfigError("segment_bound: anchor_bits 'auto' has no shapes until it is resolved (lynx_hf.width)")
     best = 0
     for axis in AXES:
         try:

@@ -69,6 +69,9 @@ def codec_config(base: dict, method: str) -> LynxQuantConfig:
         config = LynxQuantConfig(**{**base, "method": method})
     except (ConfigError, TypeError) as e:
         raise ParamsError(str(e)) from None
+    if config.anchor_bits == "auto":  # the connector has no per-request link forecast: a width both sides name
+        raise ParamsError("anchor_bits 'auto' is chosen per request by lynx-hf's own client (DecodeClient); the vLLM "
+                          "connector takes a fixed width: 2, 3 or 4")
     if config.exact:  # its streams carry anchor and residual only
         raise ParamsError("exact=True is not served through the vLLM connector yet: use lynx-hf's own transfer "
                           "(serve-prefill / DecodeClient) for exact mode")
