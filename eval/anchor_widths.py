@@ -98,8 +98,8 @@ def run(tokens: int = 1024, gen: int = 48, prompts: int = 3, model_name: str | N
             name, plain = f"lynx{b}-anchor{v}", f"kivi{b}"
             ple[name] = {k: p_le(pos[name][k], pos[plain][k]) for k in KINDS}
             wins.setdefault(f"{b} bits", {})[v] = sum(kl[name][k] <= kl[plain][k] for k in KINDS)
-    out(f"\nPaired bootstrap over the positions ({BOOT} resamples): how often the anchor's mean KL is at most the plain "
-        "code's (1: always, 0: never)\n")
+    out(f"\nPaired bootstrap over the positions ({BOOT} resamples): how often the anchor's mean KL is below the plain "
+        "code's, ties counting half (1: always, 0: never)\n")
     out("| anchor | against | " + " | ".join(KINDS) + " |")
     out("|---|---|" + "---:|" * len(KINDS))
     for name, row in ple.items():

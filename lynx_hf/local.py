@@ -294,9 +294,8 @@ def from_kv(cls, model, prompt_len: int, kv, logits: torch.Tensor, quant_config:
     windows = layer_windows(model.config)
     if quant_config is not None and quant_config.anchor_bits == "auto":  # the width for this simulated link
         V = sum(k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3] for k, v in kv)  # values a position carries
-        if bandwidth_bps is not None and not bandwidth_bps > 0:
-            raise ConfigError(f"bandwidth_bps must be > 0 (bits/s), got {bandwidth_bps!r}")
-        policy = WidthPolicy(bandwidth_bps, step_times(model, prompt_len) if bandwidth_bps else None)
+        link = bandwidth_bps if (bandwidth_bps or 0) > 0 else None  # (InProcessLoader refuses a bad one below)
+        policy = WidthPolicy(link, step_times(model, prompt_len) if link else None)
         quant_config = resolve(quant_config, policy.choose(prompt_len, V, chunk=quant_config.chunk_size))
     cache = cls(len(windows), prompt_len, quant_config, dtype=kv[0][0].dtype, device=kv[0][0].device,
                 sliding_windows=windows).bind(model)

@@ -174,7 +174,8 @@ class DecodeClient:
         prefill_on: where a continued turn's new positions are computed — "prefill" (the prefill server), "decode"
         (here, in full precision: nothing crosses the link) or "auto" (`session.Placement`: the faster by rates
         measured on this connection); a turn may override it. link_bps: the link's rate (bits/s) if known, for
-        `anchor_bits="auto"` (`self.width`, lynx_hf.width: without it, measured from the first request). Everything
+        `anchor_bits="auto"` (`self.width`, lynx_hf.width: without it, measured by Lynx requests of 256 positions
+        or more; until then "auto" takes 4 bits). Everything
         this side must compute happens before it connects, so that the server's handshake deadline measures the
         network and the peer only."""
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not seconds().ok(timeout_s):
