@@ -31,7 +31,8 @@ def test_default_anchor_beats_kivi4_on_real_kv(model_and_tok, shakespeare_ids):
 
     def mean(cfg, tier):
         rows = [score(model, p, cfg, tier) for p in probes]
-        return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
+        scalars = [k for k, v in rows[0].items() if isinstance(v, (int, float))]  # not kl_per_position
+        return {k: sum(r[k] for r in rows) / len(rows) for k in scalars}
 
     ours, kivi = mean(Q(), "anchor"), mean(Q(method="kivi4"), "full")
     full, int8 = mean(Q(), "full"), mean(Q(method="int8"), "full")
