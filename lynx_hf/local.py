@@ -296,10 +296,14 @@ def from_kv(cls, model, prompt_len: int, kv, logits: torch.Tensor, quant_config:
         V = sum(k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3] for k, v in kv)  # values a position carries
         link = bandwidth_bps if (bandwidth_bps or 0) > 0 else None  # (InProcessLoader refuses a bad one below)
         policy = WidthPolicy(link, step_times(model, prompt_len) if link else None)
-        quant_config = resolve(quant_config, policy.choose(prompt_len, V, chunk=quant_config.chunk_size))
+        choice = policy.choose(prompt_len, V, chunk=quant_config.chunk_size)
+        quant_config = resolve(quant_config, choice)
+    else:
+        choice = None
     cache = cls(len(windows), prompt_len, quant_config, dtype=kv[0][0].dtype, device=kv[0][0].device,
                 sliding_windows=windows).bind(model)
     cache.put_logits(logits)
+    cache.trace.stats.width = None if choice is None else choice.as_dict()
     InProcessLoader(kv, cache.quant_config, residual_after_steps, bandwidth_bps,
                     residual_after_tokens=residual_after_tokens).attach(cache)
     return cache

@@ -26,8 +26,9 @@ import torch
 
 from .arch import context_budget, logits_width, max_prompt_tokens
 from .cache import LynxCache
-from .config import LynxQuantConfig, SpecConfig
+from .config import AUTO, LynxQuantConfig, SpecConfig
 from .trace import DictReads, Stats
+from .width import kept_width
 
 
 @dataclass
@@ -58,11 +59,11 @@ class TurnResult(DictReads):
     loader_error: str | None
     finish_reason: str = "length"  # "length" (max_new_tokens), "context" (the model's context ended), "stop"
     prefilled_on: str = "prefill"  # where the turn's new positions were computed: "prefill" or "decode" (Placement)
-    width: dict | None = None    # anchor_bits "auto": the width chosen, why, each width's forecast (lynx_hf.width)
+    width: dict | None = None    # anchor_bits "auto": the width chosen, why, each width's forecast (stats.width)
 
     @classmethod
     def of(cls, tokens, t0, cache, held, prefix_hit, loader, max_new: int, clipped: bool,
-           prefilled_on: str = "prefill", refused: str | None = None, width: dict | None = None) -> "TurnResult":
+           prefilled_on: str = "prefill", refused: str | None = None) -> "TurnResult":
         gen, ver = cache.trace.times("draft", "verified"), cache.trace.times("verified")
         error = getattr(loader, "error", None)
         reason = ("context" if clipped else "length") if len(tokens) == max_new else "stop"
@@ -71,7 +72,7 @@ class TurnResult(DictReads):
                    list(cache.trace.events),
                    list(cache.trace.timeline), cache.nbytes(), cache.nbytes("anchor"), cache.nbytes("staged"),
                    getattr(loader, "cancelled", False), getattr(loader, "dropped", 0), getattr(loader, "placed", 0),
-                   None if error is None else str(error), reason, prefilled_on, width)
+                   None if error is None else str(error), reason, prefilled_on, cache.stats.width)
 
 
 PLACES = ("auto", "prefill", "decode")
@@ -194,6 +195,8 @@ class LocalLink:
                 else:
                     local.add_turn(self.model, cache, ids, self.residual_after_steps, self.bandwidth_bps)
                     held = cache.stats.held_tokens
+                    if cfg.anchor_bits == AUTO:
+                        cache.trace.stats.width = kept_width(cache.quant_config.anchor_bits).as_dict()
             loader = cache.loader
             spec = spec_config or SpecConfig.for_anchor(cache.quant_config.anchor_bits,  # (auto: the width taken)
                                                         max_draft_steps=64 if speculative else 0)

@@ -57,6 +57,7 @@ class Stats(DictReads):
     anchors_at_s: float | None = None     # every anchor in (the engine noticed)
     residual_at_s: float | None = None    # the last residual segment landed (negative: before t0)
     held_tokens: int = 0             # a continued turn: tokens whose KV the cache held already (not shipped)
+    width: dict | None = None        # anchor_bits "auto": the width chosen, why, each width's forecast (lynx_hf.width)
     held_refused: str | None = None  # the prefill side refused what the cache claimed to hold: the whole shipped
 
 

@@ -65,6 +65,11 @@ class WidthChoice:
                                       "kept": round(f.kept, 1)} for f in self.forecasts}}
 
 
+def kept_width(bits: int) -> WidthChoice:
+    """A continued turn's width: its cache's (the held KV and the new positions are one code)."""
+    return WidthChoice(bits, "a continued turn keeps its cache's width")
+
+
 def forecast(bits: int, positions: int, values_per_position: int, link_bps: float, step_s: float,
              kept_per_step: float, compute_s_per_position: float = 0.0, new_tokens: int = 32, lead: float = 3.0,
              chunk: int = 64, max_steps: int = 64) -> Forecast:

@@ -49,7 +49,9 @@ def test_demo_two_processes(tmp_path):
 
 def test_cli_errors_are_one_line():
     for args, says in ((["serve-decode", "--prefill", "127.0.0.1:1", "--prompt", "x"], "error"),
-                       (["demo", "--model", "/no/such/dir"], "no such model folder: /no/such/dir")):
+                       (["demo", "--model", "/no/such/dir"], "no such model folder: /no/such/dir"),
+                       (["serve-decode", "--prefill", "127.0.0.1:1", "--link-mbps", "10", "--prompt", "x"],
+                        "--link-mbps is the rate --anchor-bits auto plans with")):
         p = subprocess.run([sys.executable, "-m", "lynx_hf.cli", *args], capture_output=True, text=True, timeout=300)
         assert p.returncode != 0 and "Traceback" not in p.stderr and says in p.stderr, p.stderr[-2000:]
 

@@ -118,10 +118,14 @@ def test_from_prefill_resolves_auto_for_its_link(tiny, monkeypatch):
     ids = torch.tensor([tiny_ids(40, 1)])
     cache, _ = LynxCache.from_prefill(tiny, ids, quant_config=Q(anchor_bits="auto"), residual_after_steps=2)
     assert cache.quant_config.anchor_bits == 4  # no link: nothing to gain from a narrower anchor
+    assert cache.stats["width"]["anchor_bits"] == 4 and "not known" in cache.stats["width"]["why"]
+    fixed, _ = LynxCache.from_prefill(tiny, ids, quant_config=Q(anchor_bits=3), residual_after_steps=2)
+    assert fixed.stats["width"] is None  # a width the caller named: nothing was chosen
     # a slow link, drafts as cheap as a microsecond: every width drafts all it can, the earliest anchor goes
     monkeypatch.setattr(local, "step_times", lambda model, positions: {4: 1e-6, 3: 1e-6, 2: 1e-6})
     cache, _ = LynxCache.from_prefill(tiny, ids, quant_config=Q(anchor_bits="auto"), bandwidth_bps=2e4)
-    assert cache.quant_config.anchor_bits == 2
+    assert cache.quant_config.anchor_bits == 2 and cache.stats["width"]["anchor_bits"] == 2
+    assert set(cache.stats["width"]["forecast"]) == {2, 3, 4}
     with pytest.raises(ConfigError, match="bandwidth_bps"):
         LynxCache.from_prefill(tiny, ids, quant_config=Q(anchor_bits="auto"), bandwidth_bps=0)
     out = tiny.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate, max_new_tokens=6,
@@ -139,6 +143,7 @@ def test_the_client_chooses_per_request_and_a_turn_keeps_its_width(tiny, loopbac
         r = cli.generate(ids, Q(anchor_bits="auto"), max_new_tokens=6, keep_cache=True)
         bits = r.cache.quant_config.anchor_bits
         assert r.width["anchor_bits"] == bits in (2, 3, 4) and set(r.width["forecast"]) == {2, 3, 4}
+        assert r.cache.stats["width"] == r.width  # the cache's stats say it too
         r2 = cli.generate(ids + r.tokens + tiny_ids(10, 3), Q(anchor_bits="auto"), max_new_tokens=6, cache=r.cache)
         assert r2.cache.quant_config.anchor_bits == bits and "keeps" in r2.width["why"]
         assert r2.held_tokens > 0
@@ -178,8 +183,11 @@ def test_a_local_session_resolves_auto_and_drafts_with_that_widths_settings(tiny
     ids = tiny_ids(50, 4)
     r = link.generate(ids, Q(anchor_bits="auto"), max_new_tokens=6, keep_cache=True)
     bits = r.cache.quant_config.anchor_bits
+    assert r.width["anchor_bits"] == bits and set(r.width["forecast"]) == {2, 3, 4}  # as the network client says
     assert len(r.tokens) == 6  # (before the fix: SpecConfig.for_anchor("auto") refused the turn)
     wide = SpecConfig.for_anchor(bits).tree_width
     assert r.stats.draft_nodes and max(max(n) if isinstance(n, list) else n for n in r.stats.draft_nodes) <= wide
     r2 = link.generate(ids + r.tokens + tiny_ids(8, 5), Q(anchor_bits="auto"), max_new_tokens=4, cache=r.cache)
     assert r2.cache.quant_config.anchor_bits == bits and r2.held_tokens > 0 and len(r2.tokens) == 4
+    assert r2.width["anchor_bits"] == bits and "keeps" in r2.width["why"]
+    assert link.generate(ids, Q(anchor_bits=4), max_new_tokens=2).width is None

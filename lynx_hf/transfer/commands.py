@@ -161,13 +161,16 @@ def _serve_decode(a):
     from .decode import DecodeClient
 
     host, port = _hostport(a.prefill, a.cmd)
+    if a.link_mbps is not None and a.anchor_bits != "auto":
+        raise SystemExit("lynx-hf serve-decode: error: --link-mbps is the rate --anchor-bits auto plans with; it "
+                         "emulates nothing (serve-prefill --bandwidth-mbps does)")
     secret = _secret_or_exit(a, host)
     plane_or_exit(a)
     model, tok = lynx_hf.load_default_model(a.model, dtype=getattr(torch, a.dtype))
     fp = fingerprint(model)  # once per process, before any connection (a reconnect needs no second pass)
     connect = lambda: DecodeClient(model, host, port, secret=secret, insecure=a.insecure, tls=a.tls, tls_ca=a.tls_ca,
                                    timeout_s=a.timeout, model_fingerprint=fp, data_plane=a.data_plane,
-                                   prefill_on=a.prefill_on)
+                                   prefill_on=a.prefill_on, link_bps=None if a.link_mbps is None else a.link_mbps * 1e6)
     cli = sess = None
     cfg = LynxQuantConfig.from_pretrained(a.lynx_config) if a.lynx_config else LynxQuantConfig(method=a.method)
     for flag, change in (("--exact", {"exact": True} if a.exact else None),
@@ -214,7 +217,8 @@ def _serve_decode(a):
                           "bytes": r["bytes"], "held_tokens": r["held_tokens"],
                           **{k: r[k] for k in ("ttft_s", "ttft_verified_s", "tt32t_s")},
                           "drafted": r["stats"]["drafted"], "accepted": r["stats"]["accepted"],
-                          "finish_reason": r["finish_reason"], "prefilled_on": r["prefilled_on"]}), flush=True)
+                          "finish_reason": r["finish_reason"], "prefilled_on": r["prefilled_on"],
+                          **({"width": r["width"]} if r["width"] else {})}), flush=True)
     if cli is not None:
         cli.close()
     if failed:
@@ -298,7 +302,7 @@ def register(sub) -> None:
 
 def _register_decode(sub) -> None:
     from ..config import METHODS
-    from ..flags import anchor_width, count, seconds, tokens
+    from ..flags import anchor_width, count, mbps, seconds, tokens
 
     q = sub.add_parser("serve-decode", help="the decode process: sends prompts, drafts, verifies, prints JSON lines",
                        formatter_class=HelpFormatter,
@@ -313,6 +317,9 @@ def _register_decode(sub) -> None:
                                              "written by `lynx-hf calibrate`")
     q.add_argument("--exact", action="store_true", help=EXACT_HELP)
     q.add_argument("--anchor-bits", type=anchor_width(), help=ANCHOR_BITS_HELP)
+    q.add_argument("--link-mbps", type=mbps(), default=None,
+                   help="--anchor-bits auto: the link's rate to plan with (else the largest rate its requests measure; "
+                        "4 bits until one has); each line's JSON says the width taken and why (width)")
     q.add_argument("--dtype", choices=DTYPES, default="float32", help=DTYPE_HELP)
     q.add_argument("--session", action="store_true",
                    help="one conversation: each input line is the next turn — plain text: a user message; a JSON "

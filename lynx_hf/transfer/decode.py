@@ -24,7 +24,7 @@ from ..flags import MAX_TIMEOUT_S, seconds
 from ..loader import Loader
 from ..local import extend_here
 from ..session import PLACES, Placement, Session, TurnResult, check_turn, decode_turn
-from ..width import WidthChoice, WidthPolicy, resolve, step_from_trace, step_times, values_per_position
+from ..width import WidthPolicy, kept_width, resolve, step_from_trace, step_times, values_per_position
 from .prefix_cache import token_digest
 from . import nixl
 from .serde import check_correction, check_residual, stream_bound, to_split, unpack_logits, unpack_segment, warm
@@ -272,6 +272,7 @@ class DecodeClient:
             cache = LynxCache(p["num_layers"], p["prompt_len"], cfg, dtype=DTYPES[p["dtype"]], device=ids.device,
                               timeout_s=self.timeout + 600, sliding_windows=p["windows"]).bind(self.model)
             cache.conversation.expect_prompt(ids)
+        cache.trace.stats.width = width
         loader = NetworkLoader(self.ch, p, rid, self.timeout, arena).attach(cache)
         try:
             out = decode_turn(self.model, ids, cache, spec, max_new, gen_kwargs, t0)  # one clock: from sending it
@@ -284,7 +285,7 @@ class DecodeClient:
         self.placement.observe("prefill", ids.shape[1] - p["start"], ttft[0] if ttft else None)
         self._observe_width(cfg, cache, loader, ids.shape[1] - (p.get("prefix_hit") or 0))
         return TurnResult.of(out[0, ids.shape[1]:].tolist(), t0, cache, held, p.get("prefix_hit"), loader, max_new,
-                             clipped, refused=p.get("refused"), width=width)
+                             clipped, refused=p.get("refused"))
 
     def _width(self, cfg: LynxQuantConfig, cache, positions: int, max_new: int, spec: SpecConfig | None,
                steps: int | None):
@@ -294,7 +295,7 @@ class DecodeClient:
         if cfg.anchor_bits != "auto":
             return cfg, None
         if cache is not None:
-            choice = WidthChoice(cache.quant_config.anchor_bits, "a continued turn keeps its cache's width")
+            choice = kept_width(cache.quant_config.anchor_bits)
         else:
             if self.width.step_s is None:
                 self.width.step_s = step_times(self.model, positions)
