@@ -195,8 +195,8 @@ class LocalLink:
                 else:
                     local.add_turn(self.model, cache, ids, self.residual_after_steps, self.bandwidth_bps)
                     held = cache.stats.held_tokens
-                    if cfg.anchor_bits == AUTO:
-                        cache.trace.stats.width = kept_width(cache.quant_config.anchor_bits).as_dict()
+                if cfg.anchor_bits == AUTO:  # wherever its new positions were computed
+                    cache.trace.stats.width = kept_width(cache.quant_config.anchor_bits).as_dict()
             loader = cache.loader
             spec = spec_config or SpecConfig.for_anchor(cache.quant_config.anchor_bits,  # (auto: the width taken)
                                                         max_draft_steps=64 if speculative else 0)

@@ -3,9 +3,10 @@
 Contract. `WidthPolicy.choose(positions, values_per_position, new_tokens)` → a `WidthChoice` (the width, the
 forecast of every width, why); `observe(bits, drafted, accepted)` after a request that drafted tells the policy what
 a draft step kept at that width; `observe_link(bytes, seconds, compute_s, positions)` what the link delivered and
-the prefill computed. `resolve(config, choice)` is the config with that width. The network client owns one policy (`DecodeClient.width`, so a `Session` learns
-across its turns); `LynxCache.from_prefill(..., bandwidth_bps=...)` resolves a config with a policy on that
-simulated link. A continued turn keeps its cache's width (the held KV's digest names it).
+the prefill computed. `resolve(config, choice)` is the config with that width. The network client owns one policy
+(`DecodeClient.width`, so a `Session` learns across its turns); `LynxCache.from_prefill(..., bandwidth_bps=...)`
+resolves a config with a policy on that simulated link. A continued turn keeps its cache's width (the held KV's
+digest names it; `kept_width`). The choice is said in `cache.stats["width"]` (and `TurnResult.width`).
 
 Terms, per request: P the positions shipped, V the values one position carries (layers · 2 · KV heads · head
 dim), bw the link's rate (bits/s), c the prefill node's compute per position (0 until measured: a link-bound

@@ -146,6 +146,9 @@ def test_the_client_chooses_per_request_and_a_turn_keeps_its_width(tiny, loopbac
         assert r.cache.stats["width"] == r.width  # the cache's stats say it too
         r2 = cli.generate(ids + r.tokens + tiny_ids(10, 3), Q(anchor_bits="auto"), max_new_tokens=6, cache=r.cache)
         assert r2.cache.quant_config.anchor_bits == bits and "keeps" in r2.width["why"]
+        r3 = cli.generate(ids + r.tokens + tiny_ids(10, 3), Q(anchor_bits="auto"), max_new_tokens=3, cache=r.cache,
+                          prefill_on="decode")  # its new positions computed here: the same width, said the same way
+        assert r3.prefilled_on == "decode" and "keeps" in r3.width["why"] and r3.cache.stats["width"] == r3.width
         assert r2.held_tokens > 0
         # an unresolved width on the wire is the server's refusal of that request; the connection goes on
         with pytest.raises(RequestRefused, match="auto"):

@@ -175,9 +175,8 @@ class DecodeClient:
         (here, in full precision: nothing crosses the link) or "auto" (`session.Placement`: the faster by rates
         measured on this connection); a turn may override it. link_bps: the link's rate (bits/s) if known, for
         `anchor_bits="auto"` (`self.width`, lynx_hf.width: without it, measured by Lynx requests of 256 positions
-        or more; until then "auto" takes 4 bits). Everything
-        this side must compute happens before it connects, so that the server's handshake deadline measures the
-        network and the peer only."""
+        or more; until then "auto" takes 4 bits). Everything this side must compute happens before it connects, so
+        that the server's handshake deadline measures the network and the peer only."""
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not seconds().ok(timeout_s):
             raise ConfigError(f"timeout_s must be a finite number of seconds in (0, {MAX_TIMEOUT_S:g}], got {timeout_s!r}")
         self.model, self.timeout = model, timeout_s
@@ -263,7 +262,7 @@ class DecodeClient:
         if held and cfg.exact:  # exact mode: a turn goes on where Transformers' own would (the held KV, one forward)
             prefill_on = "decode"
         if self.placement.choose(ids.shape[1] - held, held, lambda: self._probe(ids), prefill_on) == "decode":
-            return self._turn_here(ids, max_new, clipped, spec, cache, held, gen_kwargs)
+            return self._turn_here(ids, max_new, clipped, spec, cache, held, gen_kwargs, width)
         t0, p, rid, arena = self._request(ids, cfg, held)
         if p["start"] == held and cache is not None:  # the new range, behind what the cache holds
             cache.conversation.begin_range(ids, quant_config=cfg)
@@ -316,11 +315,12 @@ class DecodeClient:
         if step is not None and self.width.step_s is not None:
             self.width.step_s[cfg.anchor_bits] = step
 
-    def _turn_here(self, ids, max_new, clipped, spec, cache, held, gen_kwargs) -> TurnResult:
+    def _turn_here(self, ids, max_new, clipped, spec, cache, held, gen_kwargs, width) -> TurnResult:
         """A continued turn whose new positions [held, L) are computed here, in full precision: nothing crosses
         the link, and nothing is left to verify (the KV is the model's own)."""
         t0 = time.perf_counter()
         extend_here(self.model, cache, ids, held)
+        cache.trace.stats.width = width
         self.placement.observe("decode", ids.shape[1] - held, time.perf_counter() - t0)
         out = decode_turn(self.model, ids, cache, spec, max_new, gen_kwargs, t0)
         return TurnResult.of(out[0, ids.shape[1]:].tolist(), t0, cache, held, None, None, max_new, clipped, "decode")
