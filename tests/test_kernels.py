@@ -4,6 +4,9 @@ statistics and packed bytes 0 everywhere; the C kernels' decoded values 0 too; T
 1e-7 abs, bf16/fp16 one ulp of the output dtype (the interpreter's casts round differently from torch's)."""
 import dataclasses
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -212,3 +215,47 @@ def test_c_build_checks_its_abi_and_bounds_the_compiler(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", f"{sys.executable} -c 'import time; time.sleep(30)'")
     with pytest.raises(RuntimeError, match="took over 0.5 s"):
         cpu._build()
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _from_the_root(code: str) -> str:
+    """Run `code` in a fresh Python whose working directory (so sys.path[0]) is the repository's root."""
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return p.stdout
+
+
+def test_the_bare_name_kernels_is_left_to_the_installed_distribution_from_a_checkout():
+    """Python run from the repository's root puts it on sys.path, where kernels/ would shadow Hugging Face's
+    `kernels` (imported by Transformers >= 5.25, issue 53): Transformers' model classes import, and `kernels` is the
+    installed one."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    out = _from_the_root("import transformers, transformers.activations, kernels, lynx_hf.kernels as k; "
+                         "transformers.LlamaForCausalLM; print(kernels.__file__, k.__name__)")
+    try:
+        installed = bool(distribution("kernels"))
+    except PackageNotFoundError:  # (Transformers < 5.25: this folder answers the bare name, harmlessly)
+        installed = False
+    where, name = out.split()
+    assert (Path(where).resolve().parent != ROOT / "kernels") == installed and name == "lynx_hf.kernels"
+
+
+def test_no_other_top_level_folder_shadows_an_installed_distribution():
+    """Every folder at the root that Python could import by its bare name from a checkout (a package: it has an
+    __init__.py) names no installed distribution's top-level module, kernels/ apart (it steps aside, above)."""
+    from importlib.metadata import packages_distributions
+
+    ours = {d.name for d in ROOT.iterdir() if (d / "__init__.py").is_file()}
+    assert {"kernels", "lynx_hf", "eval"} <= ours
+    taken = packages_distributions()
+    clash = {name: taken[name] for name in ours - {"kernels", "lynx_hf"} if name in taken}
+    assert not clash, f"these folders shadow installed distributions from a checkout: {clash}"
+
+
+@pytest.mark.slow
+def test_the_default_model_loads_from_the_repository_root():
+    out = _from_the_root("import lynx_hf; m, tok = lynx_hf.load_default_model(); print(type(m).__name__)")
+    assert out.split()[-1] == "LlamaForCausalLM"
