@@ -22,7 +22,37 @@ def hub_generate(model, lynx_config: dict, inputs=None, residual_after_steps: in
     """Run Lynx for a string `custom_generate`. inputs / input_ids: the prompt [B, P]; cache: a LynxCache to decode
     (default: a local full-precision prefill encoded with `lynx_config`, its residual landing after
     `residual_after_steps` draft steps; `residual_after_tokens`, as older shims pass it, is its alias); every other
-    argument as in `generate`."""
+    argument as in `generate`. A `streamer=` gets its end() exactly once however this ends (a refusal here, an
+    error in the prefill or in Transformers' checks before speculative_generate took it), so a chat UI's loop ends."""
+    given, lynx = kwargs.pop("streamer", None), kwargs.pop("lynx_streamer", None)
+    if given is not None and lynx is not None:
+        given.end(), lynx.end()
+        raise ValueError("pass the streamer once: streamer= or lynx_streamer= (the same thing here)")
+    streamer = given if given is not None else lynx
+    once = None if streamer is None else _EndsOnce(streamer)
+    try:
+        return _hub_generate(model, lynx_config, inputs, residual_after_steps, residual_after_tokens, once, kwargs)
+    finally:
+        if once is not None:
+            once.end()  # a no-op where speculative_generate ended it
+
+
+class _EndsOnce:
+    """A streamer's stand-in whose end() reaches the streamer once; everything else is the streamer's own."""
+
+    def __init__(self, streamer):
+        self._streamer, self._ended = streamer, False
+
+    def __getattr__(self, name):
+        return getattr(self._streamer, name)
+
+    def end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._streamer.end()
+
+
+def _hub_generate(model, lynx_config, inputs, residual_after_steps, residual_after_tokens, streamer, kwargs):
     ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
     kwargs.pop("input_ids", None)
     if ids is None:
@@ -34,8 +64,8 @@ def hub_generate(model, lynx_config: dict, inputs=None, residual_after_steps: in
     if kw.get("assistant_model") is not None:
         raise ValueError("speculative_generate drafts on the anchor tier itself: assistant_model (assisted decoding) "
                          "cannot be combined with it; pass one or the other")
-    if "streamer" in kw and "lynx_streamer" not in kw:
-        kw["lynx_streamer"] = kw.pop("streamer")
+    if streamer is not None:
+        kw["lynx_streamer"] = streamer
     kw.pop("synced_gpus", None)
     if kw.get("stop_strings"):  # a callable custom_generate never gets the tokenizer: build the criterion here
         from transformers import StopStringCriteria, StoppingCriteriaList

@@ -246,12 +246,12 @@ def test_models_whose_kv_a_cache_cannot_hold_are_refused_at_once(cls, kw):
         LynxCache.from_prefill(model, prompt())
 
 
-def word_tokenizer():
+def word_tokenizer(vocab_size: int = V):
     """Token i is the word "w{i}" (3 is "abcdef", which StopStringCriteria tokenizes to clean the vocabulary);
     decoding concatenates."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {f"w{i}": i for i in range(V)}
+    vocab = {f"w{i}": i for i in range(vocab_size)}
     vocab["abcdef"] = vocab.pop("w3")
     t = Tokenizer(models.WordLevel(vocab, unk_token="w4"))
     t.pre_tokenizer, t.decoder = pre_tokenizers.Whitespace(), decoders.Fuse()
