@@ -4,12 +4,22 @@
                         "kv_role": "kv_producer" | "kv_consumer",
                         "kv_connector_extra_config": {"port": 7411, "bandwidth_mbps": 15, ...}}
 
-Each hook adapts vLLM's objects to the plain-data twin in hooks.py (the logic lives there, tested without vLLM).
-Extra config: `host`/`port` the prefill instance's KV stream listens on; `bandwidth_mbps`, `latency_ms` its
-emulated link; `max_held_mb` the encoded KV it may hold; `timeout_s` how long the decode side waits for a frame;
-`quant` the codec's fields other than its method (both instances must agree); `secret` or $LYNX_SECRET, or
-`insecure: true` on loopback only. Runs on vLLM's CPU backend (vec/vec16 attention kernels: their paged layout is
-the one paged.py reads)."""
+Each hook adapts vLLM's objects to the plain-data twins in hooks.py (scheduler side) and worker.py (worker side),
+where the logic lives, tested without vLLM. Extra config: `host`/`port` the prefill instance's KV stream listens
+on; `bandwidth_mbps`, `latency_ms` its emulated link; `max_held_mb` the encoded KV an instance may hold (prefill:
+published transfers; decode: held copies of live transfers); `ttl_s` how long the prefill instance keeps a transfer
+nobody claimed (default 600); `timeout_s` how long the decode side waits for a frame, or a shadow for its real
+request; `drain_ms` the time a step may spend placing arrived KV into blocks — the longer of this (default 20) and
+the last forward's time, so a fast link never stalls the batch; `quant` the codec's fields other than its method
+(both instances must agree); `secret` or $LYNX_SECRET, or `insecure: true` on loopback only.
+
+Refused at start, with the reason: tensor, pipeline or data parallelism (every rank would bind one port), an fp8 or
+other quantized KV cache (the codec reads and writes the model's dtype), async scheduling (the connector's step
+order assumes the synchronous scheduler), `kv_load_failure_policy` other than "fail" on a decode instance (a refused
+or failed request must fail, not be recomputed), and a paged layout other than the CPU backend's vec/vec16 one.
+Prefix caching may stay on (vLLM's default): hooks.py never writes below a request's local prefix hit, and refuses
+a consume request whose cache_salt does not name its transfer, so Lynx's blocks (anchor tier, or the 8-bit full
+tier) only ever serve prefix hits of the same transfer (docs/vllm.md)."""
 from __future__ import annotations
 
 import hashlib
@@ -24,8 +34,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorWorkerMetadata)
 
 from ..transfer.auth import resolve_secret
-from .hooks import SchedulerSide, StepMeta, WorkerSide
+from .hooks import SchedulerSide, StepMeta
 from .stream import KVPublisher
+from .worker import WorkerSide
 
 log = logging.getLogger("lynx_hf.vllm")
 
@@ -54,6 +65,30 @@ def model_fingerprint(vllm_config) -> str:
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def check_engine(vllm_config, kv_role: str) -> None:
+    """Raise, in one line, for an engine configuration the connector cannot serve exactly."""
+    pc, cc, sc = vllm_config.parallel_config, vllm_config.cache_config, vllm_config.scheduler_config
+    sizes = {"tensor": pc.tensor_parallel_size, "pipeline": pc.pipeline_parallel_size,
+             "data": pc.data_parallel_size}
+    for name, n in sizes.items():
+        if n > 1:
+            raise ValueError(f"LynxConnector serves one rank per instance: {name}_parallel_size={n} is not supported")
+    if str(cc.cache_dtype) not in ("auto", "float32", "float16", "bfloat16"):
+        raise ValueError(f"LynxConnector reads and writes the model's KV dtype; kv_cache_dtype={cc.cache_dtype!r} "
+                         f"is not supported (drop --kv-cache-dtype)")
+    if sc.async_scheduling:
+        raise ValueError("LynxConnector needs the synchronous scheduler: pass --no-async-scheduling")
+    policy = vllm_config.kv_transfer_config.kv_load_failure_policy
+    if kv_role in ("kv_consumer", "kv_both") and policy != "fail":
+        raise ValueError(f"LynxConnector on a decode instance needs kv_load_failure_policy='fail' (got {policy!r}): "
+                         f"a refused or failed transfer must fail its request, not be recomputed")
+
+
+def _geometry(vllm_config) -> tuple:
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    return (mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size(), str(mc.dtype).replace("torch.", ""))
+
+
 def _layer_order(name: str) -> tuple:
     return tuple(int(n) for n in re.findall(r"\d+", name)) or (0,)
 
@@ -64,10 +99,17 @@ class LynxConnector(KVConnectorBase_V1):
         ktc = self._kv_transfer_config
         extra = dict(ktc.kv_connector_extra_config or {})
         self.kv_role = ktc.kv_role
+        check_engine(vllm_config, self.kv_role)
         self._sched = self._worker = None
+        held = int(float(extra.get("max_held_mb", 1024)) * (1 << 20))
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(self.kv_role)
+            self._sched = SchedulerSide(self.kv_role, dict(extra.get("quant", {})), _geometry(vllm_config), held,
+                                        float(extra.get("timeout_s", 60)),
+                                        salted=bool(vllm_config.cache_config.enable_prefix_caching))
             return
+        from .fixes import install_expand_fix
+
+        install_expand_fix()  # vLLM #55005: mixed greedy/sampled batches (a no-op where vLLM is fixed)
         host = str(extra.get("host", "127.0.0.1"))
         secret = resolve_secret(extra.get("secret"), bool(extra.get("insecure", False)), host)
         publisher = None
@@ -76,21 +118,29 @@ class LynxConnector(KVConnectorBase_V1):
             publisher = KVPublisher(host, int(extra.get("port", 7411)), secret, model_fingerprint(vllm_config),
                                     bandwidth_bps=None if bw in (None, 0) else float(bw) * 1e6,
                                     latency_s=float(extra.get("latency_ms", 0)) / 1e3,
-                                    max_bytes=int(float(extra.get("max_held_mb", 1024)) * (1 << 20)))
+                                    max_bytes=held, ttl_s=float(extra.get("ttl_s", 600)))
             log.info("Lynx KV stream on %s:%d (link %s Mbit/s)", host, publisher.port, bw or "unpaced")
         self._worker = WorkerSide(dict(extra.get("quant", {})), secret, model_fingerprint(vllm_config), publisher,
-                                  float(extra.get("timeout_s", 60)), bool(extra.get("upgrade_shadows", True)))
+                                  float(extra.get("timeout_s", 60)), bool(extra.get("upgrade_shadows", True)),
+                                  float(extra.get("drain_ms", 20)))
 
     # ---- worker side ----------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         first = next(iter(kv_caches.values()))
+        if first.dim() != 4 or first.device.type != "cpu":
+            raise RuntimeError(f"LynxConnector reads vLLM's CPU paged KV [num_blocks, H_kv, block_size, 2*D]; this "
+                               f"backend registered {tuple(first.shape)} on {first.device}")
         isa = _get_attn_isa(first.dtype, first.shape[2], first.shape[3] // 2)
         if isa not in ("vec", "vec16"):
             raise RuntimeError(f"LynxConnector reads vLLM's CPU paged KV of the vec/vec16 kernels; this machine "
                                f"runs {isa!r}, whose block layout is not the one lynx_hf.vllm.paged reads")
         self._worker.register(dict(sorted(kv_caches.items(), key=lambda kv: _layer_order(kv[0]))))
+
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        if isinstance(kv_connector_metadata, LynxStepMetadata):  # before the forward that may reuse their blocks
+            self._worker.forget(kv_connector_metadata.step.preempted)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         if self.has_connector_metadata():
@@ -115,7 +165,8 @@ class LynxConnector(KVConnectorBase_V1):
         return LynxWorkerMetadata(stats) if stats else None
 
     def drafting(self) -> dict:
-        """Live transfers with a shadow (xfer → (prompt length, prompt digest)): what LynxProposer drafts for."""
+        """Live transfers whose rows may get drafts (xfer → (P, key, members, first token), hooks.py): what LynxProposer drafts
+        for."""
         return dict(self._worker.drafting) if self._worker is not None else {}
 
     def shutdown(self) -> None:
@@ -124,11 +175,11 @@ class LynxConnector(KVConnectorBase_V1):
 
     # ---- scheduler side -------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
-        return self._sched.matched(request.request_id, list(request.prompt_token_ids or []),
-                                   request.kv_transfer_params, num_computed_tokens)
+        return self._sched.matched(request.request_id, request.prompt_token_ids or [], request.kv_transfer_params,
+                                   num_computed_tokens, request.cache_salt, request.skip_reading_prefix_cache)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        self._sched.allocated(request.request_id, list(request.prompt_token_ids or []), request.kv_transfer_params,
+        self._sched.allocated(request.request_id, request.prompt_token_ids or [], request.kv_transfer_params,
                               blocks.get_block_ids()[0], num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
@@ -136,7 +187,9 @@ class LynxConnector(KVConnectorBase_V1):
         c = scheduler_output.scheduled_cached_reqs
         cached = [(rid, None if c.new_block_ids[i] is None else c.new_block_ids[i][0], c.num_computed_tokens[i])
                   for i, rid in enumerate(c.req_ids)]
-        return LynxStepMetadata(self._sched.step_meta(new, cached, dict(scheduler_output.num_scheduled_tokens)))
+        return LynxStepMetadata(self._sched.step_meta(new, cached, dict(scheduler_output.num_scheduled_tokens),
+                                                      scheduler_output.preempted_req_ids or (),
+                                                      c.resumed_req_ids or ()))
 
     def update_connector_output(self, connector_output) -> None:
         meta = connector_output.kv_connector_worker_meta

@@ -1,15 +1,27 @@
-"""The connector's logic as plain Python, mirrored on vLLM's `KVConnectorBase_V1` hooks but fed plain data (request
-ids, token ids, block ids), so tests drive it without vLLM; connector.py only adapts vLLM's objects to it.
+"""The connector's scheduler-side logic as plain Python, mirrored on vLLM's `KVConnectorBase_V1` hooks but fed plain
+data (request ids, token ids, block ids), so tests drive it without vLLM; connector.py only adapts vLLM's objects to
+it. The worker side is worker.py.
 
 Terms. A *transfer* (xfer) is one prompt's KV, published by the prefill instance under an id the orchestrator
-picks. On the decode instance a transfer feeds at most two requests: the *shadow* S (tier "anchor": anchor-only
-KV, decodes the drafts, output never forwarded) and the *real* request R (tier "full"). A request names its part in
-`kv_transfer_params["lynx"]` (see `parse_params`). Baseline methods (bf16, int8, kivi4, ...) have one tier: R alone.
+picks. On the decode instance a transfer feeds at most one *real* request R (tier "full") and any number of
+*shadows* S (tier "anchor": anchor-only KV, decode the drafts, output never forwarded). A request names its part in
+`kv_transfer_params["lynx"]` (`parse_params`). Baseline methods (bf16, int8, kivi4, ...) have one tier: R alone.
+A transfer's *members* are its requests that hold blocks; it is *live* on the decode side from R's first
+allocation until R and every member finished, and the decode side holds its codes (the *held copy*) that long, so
+a preempted R reloads exactly the same KV. Its *key* is the digest of the members' first P + 1 tokens (prompt +
+first token): how the proposer tells its rows apart; a live request outside it whose prompt starts with those
+tokens is a *rival*, and a transfer with a rival gets no drafts (rows are matched by content, see proposer.py).
 
-Scheduler side (`SchedulerSide`): `matched` (→ vLLM's get_num_new_matched_tokens), `allocated`
-(update_state_after_alloc), `step_meta` (build_connector_meta), `finished` (request_finished), `worker_meta`
-(update_connector_output). Worker side (`WorkerSide`): `begin_step` (start_load_kv), `save_layer` (save_kv_layer),
-`results` (get_transfer_results), `stats` (build_connector_worker_meta)."""
+Admission, the rule that keeps KV pressure from deadlocking (docs/vllm.md, "Under traffic"): a waiting load never
+depends on another request's blocks — R's load waits only for its stream, a shadow's for its own stream's anchors
+and residual share — and a shadow is admitted only after its R holds blocks, while R still waits for its KV, and
+not in a step after one where a load could not get blocks (shadows yield first: a shadow that does not fit
+would otherwise stop vLLM's queue in front of the next real request). A request refused (bad parameters,
+a late or preempted shadow, a transfer over the decode side's bound) claims one token asynchronously and fails at
+once with the reason (vLLM's `kv_load_failure_policy="fail"`), so it never holds a prompt's worth of blocks.
+
+Hooks: `matched` (→ get_num_new_matched_tokens), `allocated` (update_state_after_alloc), `step_meta`
+(build_connector_meta), `worker_meta` (update_connector_output), `finished` (request_finished)."""
 from __future__ import annotations
 
 import logging
@@ -18,22 +30,38 @@ from dataclasses import dataclass, field
 
 from ..config import LynxQuantConfig
 from ..errors import ConfigError
-from . import paged
-from ..transfer.wire import Stream
-from .stream import KVPublisher, KVSpec, Subscription, check_xfer_id, encode_layer, token_digest
+from ..quant import codec
+from .stream import KVSpec, check_xfer_id, token_digest
 
 log = logging.getLogger("lynx_hf.vllm")
 TIERS = ("anchor", "full")
+WAIT = object()  # an admission rule's answer: not yet (matched tells vLLM None: it skips the request this step)
+MAX_ENDED = 4096
 
 
 class ParamsError(ValueError):
     """kv_transfer_params["lynx"] is malformed."""
 
 
-def parse_params(params) -> dict | None:
-    """kv_transfer_params → the validated "lynx" part, or None when the request is not Lynx's.
+def codec_config(base: dict, method: str) -> LynxQuantConfig:
+    try:
+        config = LynxQuantConfig(**{**base, "method": method})
+    except (ConfigError, TypeError, ValueError) as e:
+        raise ParamsError(str(e)) from None
+    if config.anchor_bits == "auto":  # the connector has no per-request link forecast: a width both sides name
+        raise ParamsError("anchor_bits 'auto' is chosen per request by lynx-hf's own client (DecodeClient); the vLLM "
+                          "connector takes a fixed width: 2, 3 or 4")
+    if config.exact:  # its streams carry anchor and residual only
+        raise ParamsError("exact=True is not served through the vLLM connector yet: use lynx-hf's own transfer "
+                          "(serve-prefill / DecodeClient) for exact mode")
+    return config
+
+
+def parse_params(params, base: dict | None = None) -> dict | None:
+    """kv_transfer_params → the validated "lynx" part, or None when the request is not Lynx's. Every field checked,
+    the method against the engine's codec settings `base` (so nothing a request names can fail in a forward).
     produce: {"role": "produce", "xfer", "method"}; consume: {"role": "consume", "xfer", "method", "tier",
-    "shadow" (R: whether an S shares the transfer), "host", "port", "prompt_len", optionally "release" (a shadow:
+    "shadow" (R: whether shadows share the transfer), "host", "port", "prompt_len", optionally "release" (a shadow:
     the fraction of the full tier placed before it starts decoding; default 0, at the last anchor)}."""
     if not isinstance(params, dict) or "lynx" not in params:
         return None
@@ -47,35 +75,32 @@ def parse_params(params) -> dict | None:
         raise ParamsError(f"kv_transfer_params['lynx']['role'] must be 'produce' or 'consume', got {role!r}")
     if set(p) != want and not (role == "consume" and set(p) == want | {"release"}):
         raise ParamsError(f"kv_transfer_params['lynx'] for {role!r} takes exactly {sorted(want)}, got {sorted(p)}")
-    check_xfer_id(p["xfer"])
+    try:
+        check_xfer_id(p["xfer"])
+    except ValueError as e:
+        raise ParamsError(str(e)) from None
     if not isinstance(p["method"], str):
         raise ParamsError("kv_transfer_params['lynx']['method'] must be a string")
+    split = codec(codec_config(base or {}, p["method"])).split
     if role == "consume":
-        if p["tier"] not in TIERS or not isinstance(p["shadow"], bool):
-            raise ParamsError(f"tier must be one of {TIERS} and shadow a bool, got {p['tier']!r}, {p['shadow']!r}")
-        if not isinstance(p["host"], str) or not isinstance(p["port"], int) or not 0 < p["port"] < 65536:
-            raise ParamsError(f"host must be a string and port in [1, 65535], got {p['host']!r}, {p['port']!r}")
-        r = p.get("release", 0.0)
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0:
-            raise ParamsError(f"release must be a number in [0, 1], got {r!r}")
-        n = p["prompt_len"]
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ParamsError(f"prompt_len must be a positive int, got {n!r}")
+        _check_consume(p, split)
     return p
 
 
-def codec_config(base: dict, method: str) -> LynxQuantConfig:
-    try:
-        config = LynxQuantConfig(**{**base, "method": method})
-    except (ConfigError, TypeError) as e:
-        raise ParamsError(str(e)) from None
-    if config.anchor_bits == "auto":  # the connector has no per-request link forecast: a width both sides name
-        raise ParamsError("anchor_bits 'auto' is chosen per request by lynx-hf's own client (DecodeClient); the vLLM "
-                          "connector takes a fixed width: 2, 3 or 4")
-    if config.exact:  # its streams carry anchor and residual only
-        raise ParamsError("exact=True is not served through the vLLM connector yet: use lynx-hf's own transfer "
-                          "(serve-prefill / DecodeClient) for exact mode")
-    return config
+def _check_consume(p: dict, split: bool) -> None:
+    if p["tier"] not in TIERS or not isinstance(p["shadow"], bool):
+        raise ParamsError(f"tier must be one of {TIERS} and shadow a bool, got {p['tier']!r}, {p['shadow']!r}")
+    if (p["tier"] == "anchor" or p["shadow"]) and not split:
+        raise ParamsError(f"method {p['method']!r} ships one tier: no shadow, no tier 'anchor'")
+    if not isinstance(p["host"], str) or not isinstance(p["port"], int) or isinstance(p["port"], bool) \
+            or not 0 < p["port"] < 65536:
+        raise ParamsError(f"host must be a string and port in [1, 65535], got {p['host']!r}, {p['port']!r}")
+    r = p.get("release", 0.0)
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0:
+        raise ParamsError(f"release must be a number in [0, 1], got {r!r}")
+    n = p["prompt_len"]
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 1 << 20:
+        raise ParamsError(f"prompt_len must be an int in [1, 2^20], got {n!r}")
 
 
 @dataclass
@@ -103,248 +128,313 @@ class LoadMeta:
     start: int
     block_ids: list
     digest: str
-    error: str | None = None  # the request's params were refused: fail it at once
+    error: str | None = None  # refused: fail the request at once with this reason
     release: float = 0.0      # a shadow starts once this fraction of the full tier is placed too
+
+    @classmethod
+    def refused(cls, req_id: str, why: str) -> "LoadMeta":
+        return cls(req_id, "", "", "full", False, "", 0, 0, 0, [], "", error=why)
 
 
 @dataclass
 class StepMeta:
     saves: list = field(default_factory=list)
     loads: list = field(default_factory=list)
-    dropped: list = field(default_factory=list)  # (xfer, tier) of requests that finished before their load began
+    refusals: list = field(default_factory=list)   # (xfer, why): the publisher answers these instead of KV
+    preempted: list = field(default_factory=list)  # request ids whose blocks vLLM took back this step
+    closed: list = field(default_factory=list)     # transfers ended: the decode side drops their held copies
+    drafts: dict = field(default_factory=dict)     # xfer -> (P, key, members, first token): whose rows get drafts
+    yielded: list = field(default_factory=list)    # shadows still loading, failed to free blocks for a real request
+
+
+@dataclass
+class _Xfer:
+    """A live transfer (decode instance, scheduler side)."""
+    P: int
+    key: str       # the digest of the first P + 1 tokens (the proposer's)
+    prompt: str    # the digest of the first P: a live request outside the transfer that starts with them is a rival
+    method: str
+    bound: int
+    first: int     # the first token (prompt_ids[P]): the proposer hashes only rows that have it there
+    r: str | None = None
+    r_state: str = "loading"                     # "loading" | "running" | "preempted" | "done"
+    members: set = field(default_factory=set)
+    shadows: bool = False                        # a shadow was ever admitted
+    loading: set = field(default_factory=set)    # shadows holding blocks, not scheduled yet
+    preempted: set = field(default_factory=set)  # shadows vLLM preempted: never reloaded
+    rivals: set = field(default_factory=set)
 
 
 class SchedulerSide:
-    def __init__(self, role: str):
-        self.role = role  # "kv_producer" | "kv_consumer" | "kv_both"
-        self._produce: dict[str, dict] = {}   # req_id -> {params, block_ids, prompt_len, digest}
+    """geometry: (layers, kv_heads, head_dim, dtype) of the model's KV — what a held copy's bound is computed from
+    (None: no bound, tests only); max_held_bytes: the decode side's bound on held copies; timeout_s: how long a
+    shadow waits for its real request; salted: prefix caching is on (a consume request's cache_salt must name its
+    transfer, so its blocks never serve another request's prefix hit)."""
+
+    def __init__(self, role: str, base: dict | None = None, geometry: tuple | None = None,
+                 max_held_bytes: int = 1 << 30, timeout_s: float = 60.0, clock=time.monotonic, salted: bool = False):
+        self.role, self.salted = role, salted  # role: "kv_producer" | "kv_consumer" | "kv_both"
+        codec_config(base or {}, "lynx")  # a bad base refused at setup
+        self.base, self.geometry, self.max_held, self.timeout_s, self.clock = base or {}, geometry, \
+            max_held_bytes, timeout_s, clock
+        self._produce: dict[str, dict] = {}   # req_id -> {p, blocks, P, digest}
+        self._saved: set[str] = set()
+        self._published: dict[str, float] = {}  # xfer -> when a request took it (the last MAX_ENDED: duplicates)
+        self._refusals: list[tuple[str, str]] = []
         self._new_loads: list[LoadMeta] = []
         self._loading: dict[str, LoadMeta] = {}
-        self._dropped: list[str] = []
+        self._refuse: dict[str, str] = {}     # req_id -> why (claims one token, fails when allocated)
+        self._xfers: dict[str, _Xfer] = {}
+        self._ended: dict[str, float] = {}    # xfer -> when it ended (late shadows are refused)
+        self._closed: list[str] = []
+        self._prompts: dict[str, tuple] = {}  # live requests: req_id -> (prompt ids, xfer it claims or None)
+        self._seen_at: dict[str, float] = {}
+        self._pass_load: dict[str, str] = {}  # requests matched for a load in this scheduling pass (-> tier) ...
+        self._pass_alloc: set[str] = set()    # ... and those that got blocks
+        self._pass_bytes = 0                  # held bytes new transfers matched in this pass would add
+        self._pressure = False                # some load could not get blocks in the last pass
         self._stats: dict[str, dict] = {}
+        self.held = 0                         # bytes the decode side may hold for live transfers
 
-    def matched(self, req_id: str, prompt_ids: list, params, num_computed: int) -> tuple[int, bool]:
-        """Tokens to load beyond the local prefix hit `num_computed`, and whether asynchronously."""
+    # ---- get_num_new_matched_tokens ------------------------------------------------------------------------
+    def matched(self, req_id: str, prompt_ids: list, params, num_computed: int, salt: str | None = None,
+                local: bool = False) -> tuple[int | None, bool]:
+        """Tokens to load beyond the local prefix hit `num_computed` and whether asynchronously; (None, False):
+        not now (vLLM skips the request this step). salt: the request's cache_salt (with `self.salted`, prefix
+        caching on, a consume request's must name its transfer); local: vLLM will not load for it (it skips reading
+        the prefix cache, e.g. prompt_logprobs): it computes its prompt itself, exact, without Lynx."""
+        if self.role == "kv_producer":
+            return 0, False
+        if req_id in self._refuse:
+            return 1, True
         try:
-            p = parse_params(params)
+            p = parse_params(params, self.base)
         except ParamsError as e:
-            log.warning("request %s: %s (computed locally)", req_id, e)
+            self._note(req_id, prompt_ids, None)
+            return self._refused(req_id, str(e))
+        self._note(req_id, prompt_ids, p["xfer"] if p and p["role"] == "consume" else None)
+        if p is None or p["role"] != "consume":
             return 0, False
-        if p is None or p["role"] != "consume" or self.role == "kv_producer":
+        if local:
+            log.warning("request %s skips reading the prefix cache: it computes its prompt locally, without Lynx", req_id)
             return 0, False
+        if self.salted and not (isinstance(salt, str) and salt.endswith("-" + p["xfer"])):
+            return self._refused(req_id, f"with prefix caching on, a consume request's cache_salt must name its "
+                                         f"transfer (end with '-{p['xfer']}', e.g. 'lynx-full-{p['xfer']}'), got "
+                                         f"{salt!r}: otherwise its blocks serve other requests' prefix hits")
         P = p["prompt_len"]
-        if P > len(prompt_ids) - 1:  # the decode request is the prompt and its first token, at least
-            log.warning("request %s: prompt_len %d needs a prompt of at least %d tokens, got %d (computed locally)",
-                        req_id, P, P + 1, len(prompt_ids))
+        if P > len(prompt_ids) - 1:
+            return self._refused(req_id, f"prompt_len {P} needs a prompt of at least {P + 1} tokens (the prompt "
+                                         f"and its first token), got {len(prompt_ids)}")
+        why = self._admit_real(req_id, p) if p["tier"] == "full" else self._admit_shadow(req_id, p, prompt_ids)
+        if why is WAIT:
+            return None, False
+        if why:
+            return self._refused(req_id, why)
+        if P <= num_computed:  # the local prefix cache holds the whole prompt (its own blocks: never written)
             return 0, False
-        return (P - num_computed, True) if P > num_computed else (0, False)
+        self._pass_load[req_id] = p["tier"]
+        return P - num_computed, True
 
+    def _refused(self, req_id: str, why: str) -> tuple[int, bool]:
+        if req_id not in self._refuse:
+            log.warning("request %s refused: %s", req_id, why)
+        self._refuse[req_id] = why
+        return 1, True
+
+    def _bound(self, P: int, method: str) -> int:
+        if self.geometry is None:
+            return 0
+        L, H, D, dtype = self.geometry
+        return KVSpec(L, H, D, dtype, P).held_bound(codec_config(self.base, method))
+
+    def _admit_real(self, req_id: str, p: dict):
+        x = self._xfers.get(p["xfer"])
+        if x is not None:
+            return None if x.r in (None, req_id) else f"transfer {p['xfer']!r} has a real request already"
+        if p["xfer"] in self._ended:
+            return f"transfer {p['xfer']!r} ended already"
+        bound = self._bound(p["prompt_len"], p["method"])
+        if bound > self.max_held:
+            return (f"a transfer of {p['prompt_len']} positions may hold {bound / 2**20:.0f} MiB on the decode "
+                    f"instance, over its max_held_mb ({self.max_held / 2**20:.0f} MiB)")
+        if self._xfers and self.held + self._pass_bytes + bound > self.max_held:
+            return WAIT
+        self._pass_bytes += bound
+        return None
+
+    def _admit_shadow(self, req_id: str, p: dict, prompt_ids: list):
+        x, now = self._xfers.get(p["xfer"]), self.clock()
+        waited = now - self._seen_at.setdefault(req_id, now)
+        if x is None or x.r is None:
+            if p["xfer"] in self._ended:
+                return "its transfer's real request finished already: its drafts would come too late"
+            return f"no real request for transfer {p['xfer']!r} within {self.timeout_s:g} s" \
+                if waited > self.timeout_s else WAIT
+        if req_id in x.preempted:
+            return "a preempted shadow is not reloaded (it only drafts; its real request goes on)"
+        if (p["prompt_len"], p["method"]) != (x.P, x.method) or token_digest(prompt_ids[:x.P + 1]) != x.key:
+            return (f"its prompt_len, method or first {x.P + 1} tokens differ from its transfer's real request "
+                    f"({x.P}, {x.method!r})")
+        if x.r_state != "loading":
+            return "its real request has its KV already: its drafts would come too late"
+        return WAIT if self._pressure else None
+
+    def _note(self, req_id: str, prompt_ids, claims: str | None) -> None:
+        """A request seen: a rival of every live transfer whose key its prompt starts with (unless it claims it)."""
+        if req_id in self._prompts:
+            return
+        self._prompts[req_id] = (prompt_ids, claims)
+        for xfer, x in self._xfers.items():
+            if xfer != claims and _starts_with(prompt_ids, x):
+                x.rivals.add(req_id)
+
+    # ---- update_state_after_alloc --------------------------------------------------------------------------
     def allocated(self, req_id: str, prompt_ids: list, params, block_ids: list, num_external: int) -> None:
+        if req_id in self._refuse:
+            if num_external > 0:
+                self._new_loads.append(LoadMeta.refused(req_id, self._refuse[req_id]))
+            return
         try:
-            p = parse_params(params)
-        except ParamsError:
+            p = parse_params(params, self.base)
+        except ParamsError as e:  # (a consume request was refused in matched already)
+            if self.role != "kv_consumer" and req_id not in self._saved:
+                self._saved.add(req_id)
+                log.warning("request %s: not published: %s", req_id, e)
+                xfer = params["lynx"].get("xfer") if isinstance(params.get("lynx"), dict) else None
+                if _valid_xfer(xfer):  # its consumers hear why (an id the wire cannot carry reaches nobody)
+                    self._refusals.append((xfer, str(e)))
             return
         if p is None:
             return
-        if p["role"] == "produce" and self.role != "kv_consumer" and req_id not in self._produce:
+        if p["role"] == "produce" and self.role != "kv_consumer":
+            if req_id in self._produce or req_id in self._saved:  # (a resumed one keeps its job)
+                return
+            if p["xfer"] in self._published:  # refusing it would fail the first one's consumers: not published
+                self._saved.add(req_id)
+                log.warning("request %s: transfer %r is published by another request already: not published",
+                            req_id, p["xfer"])
+                return
+            self._published[p["xfer"]] = self.clock()
+            while len(self._published) > MAX_ENDED:
+                del self._published[next(iter(self._published))]
             self._produce[req_id] = {"p": p, "blocks": list(block_ids), "P": len(prompt_ids),
                                      "digest": token_digest(prompt_ids)}
         elif p["role"] == "consume" and num_external > 0:
-            P = p["prompt_len"]
-            load = LoadMeta(req_id, p["xfer"], p["method"], p["tier"], p["shadow"], p["host"], p["port"], P,
-                            P - num_external, list(block_ids), token_digest(prompt_ids[:P]),
-                            release=float(p.get("release", 0.0)))
-            self._new_loads.append(load)
-            self._loading[req_id] = load
+            self._add_member(req_id, prompt_ids, p, block_ids, num_external)
 
-    def step_meta(self, new_reqs: list, cached: list, num_scheduled: dict) -> StepMeta:
-        """new_reqs: [(req_id, block_ids, num_computed)]; cached: [(req_id, new_block_ids or None,
-        num_computed)] of this step; num_scheduled: req_id → tokens scheduled now."""
-        meta = StepMeta(loads=self._new_loads, dropped=self._dropped)
-        self._new_loads, self._dropped = [], []
-        steps = [(r, b, c, False) for r, b, c in new_reqs] + [(r, b, c, True) for r, b, c in cached]
+    def _add_member(self, req_id: str, prompt_ids: list, p: dict, block_ids: list, num_external: int) -> None:
+        P, xfer = p["prompt_len"], p["xfer"]
+        x = self._xfers.get(xfer)
+        if x is None:
+            x = self._xfers[xfer] = _Xfer(P, token_digest(prompt_ids[:P + 1]), token_digest(prompt_ids[:P]),
+                                          p["method"], self._bound(P, p["method"]), int(prompt_ids[P]))
+            self.held += x.bound
+            x.rivals = {r for r, (ids, claims) in self._prompts.items() if claims != xfer and _starts_with(ids, x)}
+        x.members.add(req_id)
+        self._pass_alloc.add(req_id)
+        if p["tier"] == "full":
+            x.r, x.r_state = req_id, "loading"
+        else:
+            x.shadows = True
+            x.loading.add(req_id)
+        load = LoadMeta(req_id, xfer, p["method"], p["tier"], p["shadow"], p["host"], p["port"], P,
+                        P - num_external, list(block_ids), token_digest(prompt_ids[:P]),
+                        release=float(p.get("release", 0.0)))
+        self._new_loads.append(load)
+        self._loading[req_id] = load
+
+    # ---- build_connector_meta ------------------------------------------------------------------------------
+    def step_meta(self, new_reqs: list, cached: list, num_scheduled: dict, preempted=(), resumed=()) -> StepMeta:
+        """new_reqs: [(req_id, block_ids, num_computed)]; cached: [(req_id, new_block_ids or None, num_computed)]
+        of this step; num_scheduled: req_id → tokens scheduled now; preempted: ids whose blocks vLLM took back;
+        resumed: cached ids whose new_block_ids are their whole table (back from a preemption)."""
+        meta = StepMeta(loads=self._new_loads, refusals=self._refusals, closed=self._closed,
+                        preempted=sorted(preempted))
+        self._new_loads, self._refusals, self._closed = [], [], []
+        self._saves(meta, new_reqs, cached, num_scheduled, set(preempted), set(resumed))
+        for rid in preempted:
+            self._preempted(rid)
+        blocked = set(self._pass_load) - self._pass_alloc
+        real_waits = any(self._pass_load[r] == "full" for r in blocked)
+        for x in self._xfers.values():
+            if x.r in num_scheduled and x.r_state == "loading":
+                x.r_state = "running"
+            x.loading -= set(num_scheduled) | set(preempted)
+            if real_waits:  # shadows yield: a real request could not get blocks
+                meta.yielded += sorted(x.loading)
+                x.preempted |= x.loading
+                x.loading = set()
+        self._pressure = bool(blocked)
+        self._pass_load, self._pass_alloc, self._pass_bytes = {}, set(), 0
+        meta.drafts = {xfer: (x.P, x.key, len(x.members), x.first) for xfer, x in self._xfers.items()
+                       if x.shadows and not x.rivals and x.r_state in ("loading", "running")}
+        return meta
+
+    def _saves(self, meta: StepMeta, new_reqs, cached, num_scheduled, preempted: set, resumed: set) -> None:
+        for rid in preempted & set(self._produce):  # its blocks are gone: a resumed one brings a whole new table
+            self._produce[rid]["blocks"] = []
+        steps = [(r, b, c, False) for r, b, c in new_reqs] + [(r, b, c, r not in resumed) for r, b, c in cached]
         for rid, blocks, computed, more in steps:
             job = self._produce.get(rid)
             if job is None:
                 continue
-            if blocks:  # a new request's whole table, or the blocks a running one gained
+            if blocks:  # a new or resumed request's whole table, or the blocks a running one gained
                 job["blocks"] = job["blocks"] + list(blocks) if more else list(blocks)
             if computed + num_scheduled.get(rid, 0) >= job["P"]:  # the prompt's last prefill step runs now
                 del self._produce[rid]
+                self._saved.add(rid)
                 p = job["p"]
                 meta.saves.append(SaveMeta(rid, p["xfer"], p["method"], job["P"], job["blocks"], job["digest"]))
-        return meta
 
+    def _preempted(self, rid: str) -> None:
+        for x in self._xfers.values():
+            if rid in x.members:
+                x.members.discard(rid)
+                if rid == x.r:
+                    x.r_state = "preempted"  # it comes back through matched and reloads the held copy
+                else:
+                    x.preempted.add(rid)
+
+    # ---- update_connector_output / request_finished --------------------------------------------------------
     def worker_meta(self, stats: dict | None) -> None:
         for rid, s in (stats or {}).items():
-            self._stats.setdefault(rid, {}).update(s)
+            if rid in self._loading:
+                self._stats.setdefault(rid, {}).update(s)
 
     def finished(self, req_id: str, params) -> dict | None:
         """The kv_transfer_params a finished request returns: its transfer's bytes and arrival times."""
-        self._produce.pop(req_id, None)
-        load = self._loading.pop(req_id, None)
-        stats = self._stats.pop(req_id, None)
-        if load is None:
-            try:
-                p = parse_params(params)
-            except ParamsError:
-                p = None
-            if p is not None and p["role"] == "consume":  # finished before its blocks were allocated
-                self._dropped.append((p["xfer"], p["tier"]))
+        for d in (self._produce, self._refuse, self._prompts, self._seen_at):
+            d.pop(req_id, None)
+        self._saved.discard(req_id)
+        load, stats = self._loading.pop(req_id, None), self._stats.pop(req_id, None)
+        for xfer, x in list(self._xfers.items()):
+            x.rivals.discard(req_id)
+            x.members.discard(req_id)
+            if req_id == x.r:
+                x.r_state = "done"
+            if x.r_state == "done" and not x.members:
+                self._end(xfer)
+        if load is None or load.error is not None:
             return None
         return {"lynx": {"xfer": load.xfer, "tier": load.tier, **(stats or {})}}
 
+    def _end(self, xfer: str) -> None:
+        self.held -= self._xfers.pop(xfer).bound
+        self._closed.append(xfer)
+        self._ended[xfer] = self.clock()
+        while len(self._ended) > MAX_ENDED:
+            del self._ended[next(iter(self._ended))]
 
-@dataclass
-class _Load:
-    meta: LoadMeta
-    done: bool = False
-    aborted: bool = False
+
+def _starts_with(ids, x: _Xfer) -> bool:
+    """ids start with the transfer's prompt (whatever follows: its first token, or a turn of its own)."""
+    return len(ids) >= x.P and token_digest(ids[:x.P]) == x.prompt
 
 
-class WorkerSide:
-    """Holds the paged KV (`register`), the publisher (prefill) and the subscriptions (decode)."""
-
-    def __init__(self, base_config: dict, secret: bytes, fingerprint: str, publisher: KVPublisher | None = None,
-                 timeout_s: float = 60.0, upgrade_shadows: bool = True):
-        codec_config(base_config, "lynx")  # a bad base (exact mode among it) refused at setup, not in a forward
-        self.base, self.secret, self.fp, self.publisher, self.timeout_s = base_config, secret, fingerprint, \
-            publisher, timeout_s
-        self.layers: list = []  # per layer, its paged KV tensor [NB, H, bs, 2D]
-        self.index: dict[str, int] = {}
-        self.kv_heads = self.head_dim = 0
-        self.dtype = ""
-        self._loads: dict[str, _Load] = {}
-        self._subs: dict[str, Subscription] = {}
-        self._dropped: set[tuple[str, str]] = set()  # (xfer, tier) whose request finished or will never come
-        self._idle: dict[str, float] = {}  # xfer -> since when no request reads it
-        self.drafting: dict[str, tuple[int, str]] = {}  # live transfers with a shadow: xfer -> (P, prompt digest)
-        self._members: dict[str, set] = {}  # xfer -> ids of its S and R not finished yet
-        self._upgrade: dict[str, tuple[str, list]] = {}  # decoding shadows: req_id -> (xfer, block ids)
-        self.upgrade_shadows = upgrade_shadows
-        self._stats: dict[str, dict] = {}
-
-    def register(self, kv_caches: dict) -> None:
-        """kv_caches: layer name → [NB, H, bs, 2D] (in the model's layer order)."""
-        self.index = {name: i for i, name in enumerate(kv_caches)}
-        self.layers = list(kv_caches.values())
-        _, self.kv_heads, _, d2 = self.layers[0].shape
-        self.head_dim = d2 // 2
-        self.dtype = str(self.layers[0].dtype).replace("torch.", "")
-
-    def spec(self, prompt_len: int) -> KVSpec:
-        return KVSpec(len(self.layers), self.kv_heads, self.head_dim, self.dtype, prompt_len)
-
-    # -- prefill instance -------------------------------------------------------------------------------------
-    def begin_step(self, meta: StepMeta) -> None:
-        """The step's new loads (vLLM calls this after the forward pass on steps with no synchronous load)."""
-        self._dropped.update(map(tuple, meta.dropped))
-        for m in meta.loads:
-            if m.req_id not in self._loads:
-                self._start_load(m)
-
-    def save_layer(self, meta: StepMeta, name: str, layer_cache) -> None:
-        """During the forward pass, after layer `name` wrote its KV: encode and queue the step's saves' KV of it."""
-        i = self.index.get(name)
-        if i is None:
-            return
-        for s in meta.saves:
-            config = codec_config(self.base, s.method)
-            if i == 0:
-                try:
-                    self.publisher.begin(s.xfer, config, self.spec(s.prompt_len), s.digest)
-                except (ValueError, RuntimeError) as e:  # a refused transfer: its subscriber hears "unknown"
-                    log.warning("transfer %s not published: %s", s.xfer, e)
-                    continue
-            k, v = paged.gather(layer_cache, s.block_ids, s.prompt_len)
-            self.publisher.add(s.xfer, encode_layer(config, i, len(self.layers), k, v))
-            if i == len(self.layers) - 1:
-                self.publisher.finish(s.xfer)
-
-    # -- decode instance --------------------------------------------------------------------------------------
-    def _start_load(self, m: LoadMeta) -> None:
-        self._loads[m.req_id] = _Load(m)
-        if m.shadow:  # the proposer drafts for this transfer's rows until both its requests finished
-            self.drafting[m.xfer] = (m.prompt_len, m.digest)
-            self._members.setdefault(m.xfer, set()).add(m.req_id)
-        if m.xfer in self._subs and self._subs[m.xfer].placed(m.tier):
-            m.error = f"request joined transfer {m.xfer!r} after its first {m.tier}-tier pieces were placed"
-        if m.error is not None or m.xfer in self._subs:
-            return
-        try:
-            self._subs[m.xfer] = Subscription(m.host, m.port, self.secret, self.fp, m.xfer,
-                                              codec_config(self.base, m.method), self.spec(m.prompt_len), m.digest,
-                                              self.timeout_s)
-        except (ValueError, OSError) as e:
-            m.error = f"transfer {m.xfer!r} could not start: {e}"
-
-    def _sink(self, xfer: str):
-        def sink(tier, layer, kind, start, x):
-            targets = [ld for ld in self._loads.values() if ld.meta.xfer == xfer and ld.meta.tier == tier]
-            if not targets:  # no request of this tier registered: drop the piece if none is coming, else wait
-                if (xfer, tier) in self._dropped:
-                    return True
-                return tier == "anchor" and not any(ld.meta.xfer == xfer and ld.meta.shadow
-                                                    for ld in self._loads.values())
-            blocks = [(ld.meta.block_ids, ld.meta.start) for ld in targets if not ld.aborted]
-            if tier == "full" and self.upgrade_shadows:  # shadows (waiting or decoding) draft on their prompt KV,
-                # upgraded as the residual lands
-                blocks += [(ld.meta.block_ids, ld.meta.start) for ld in self._loads.values()
-                           if ld.meta.xfer == xfer and ld.meta.tier == "anchor" and not ld.aborted]
-                blocks += [(b, 0) for x_, b in self._upgrade.values() if x_ == xfer]
-            for block_ids, first in blocks:
-                lo = max(start, first)
-                if lo < start + x.shape[2]:  # below `first`: the local prefix hit, kept
-                    paged.scatter(self.layers[layer], block_ids, lo, kind, x[:, :, lo - start:])
-            return True
-        return sink
-
-    def results(self, finished_req_ids: set) -> tuple[set, set]:
-        """Drain every subscription; → (finished_recving, failed_recving) request ids for this step."""
-        done, failed = set(), set()
-        for rid in finished_req_ids:  # aborted while loading: stop writing into its blocks, let vLLM free them
-            self._upgrade.pop(rid, None)
-            if rid in self._loads:
-                self._loads[rid].aborted = True
-        for xfer, members in list(self._members.items()):
-            members -= set(finished_req_ids)
-            if not members:
-                del self._members[xfer], self.drafting[xfer]
-        for xfer, sub in list(self._subs.items()):
-            sub.drain(self._sink(xfer))
-        for rid, ld in list(self._loads.items()):
-            m, sub = ld.meta, self._subs.get(ld.meta.xfer)
-            error = m.error or (sub.error if sub is not None else f"transfer {m.xfer!r} has no stream")
-            ready = sub is not None and (sub.full_done if m.tier == "full" else sub.anchor_done and (
-                sub.placed("full") >= m.release * sub.expected[1]))
-            if ld.aborted or ready or error:
-                done.add(rid)
-                if error and not ready and not ld.aborted:
-                    failed.add(rid)
-                    log.warning("request %s: %s", rid, error)
-                if sub is not None:
-                    self._stats[rid] = {"bytes": sum(sub.bytes_in.values()), "anchor_bytes": sub.bytes_in[Stream.ANCHOR],
-                                        **{f"{t}_at": v for t, v in sub.arrived_at.items()}}
-                self._dropped.add((m.xfer, m.tier))  # whatever of its tier still arrives has no reader
-                if m.tier == "anchor" and ready and not ld.aborted and self.upgrade_shadows:
-                    self._upgrade[rid] = (m.xfer, m.block_ids)  # until it finishes (finished_req_ids)
-                del self._loads[rid]
-        now = time.monotonic()
-        for xfer, sub in list(self._subs.items()):
-            if any(ld.meta.xfer == xfer for ld in self._loads.values()):
-                self._idle.pop(xfer, None)
-            elif sub.full_done or sub.error or now - self._idle.setdefault(xfer, now) > self.timeout_s:
-                self._subs.pop(xfer).close()  # (a request that never came: its pieces wait `timeout_s` at most)
-                self._idle.pop(xfer, None)
-                self._dropped -= {(xfer, t) for t in TIERS}
-        return done, failed
-
-    def stats(self) -> dict:
-        out, self._stats = self._stats, {}
-        return out
-
-    def close(self) -> None:
-        for sub in self._subs.values():
-            sub.close()
-        if self.publisher is not None:
-            self.publisher.close()
+def _valid_xfer(xfer) -> bool:
+    try:
+        check_xfer_id(xfer)
+        return True
+    except (TypeError, ValueError):
+        return False

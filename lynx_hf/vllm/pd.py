@@ -25,6 +25,12 @@ from .engine import EngineFailed, EngineProcess
 DEFAULT_PORT = 7411
 
 
+def shadow_seed(seed: int, i: int) -> int:
+    """Shadow i's seed for a request seeded `seed`: a stream of its own, never the request's (a draft must not
+    share the randomness that verifies it)."""
+    return (seed * 1_000_003 + i + 1) % (1 << 63)
+
+
 class RequestFailed(RuntimeError):
     """One request failed (its transfer, its engine); the engines serve on."""
 
@@ -77,7 +83,7 @@ class LynxPD:
         self.prefill = EngineProcess({**common, "kv_transfer_config": {
             **conn, "kv_role": "kv_producer",
             "kv_connector_extra_config": {**extra, "bandwidth_mbps": bandwidth_mbps or 0}}}, name="prefill")
-        self.decode = EngineProcess({**common, "enable_prefix_caching": False, "disable_log_stats": False,
+        self.decode = EngineProcess({**common, "disable_log_stats": False,
                                      "speculative_config": {"method": "custom_class",
                                                             "model": "lynx_hf.vllm.proposer.LynxProposer",
                                                             "num_speculative_tokens": num_speculative_tokens},
@@ -165,12 +171,12 @@ class LynxPD:
         s_ids = [f"s{i}-{xfer}" for i in range(len(self.release) if shadow else 0)]
         sqs = []
         for i, sid in enumerate(s_ids):  # each shadow decodes as R does, starting when its share of the residual is in
-            sp = sampling if seed is None else {**sampling, "seed": seed + i}
+            sp = sampling if seed is None else {**sampling, "seed": shadow_seed(seed, i)}
             sqs.append(self.decode.add(sid, ids1, {**sp, "max_tokens": self.draft_budget, "extra_args": {
                 "kv_transfer_params": {"lynx": {**kv, "tier": "anchor", "release": self.release[i]}}}},
                 cache_salt=f"lynx-anchor-{xfer}"))
         rq = self.decode.add(f"r-{xfer}", ids1, {**sampling, "max_tokens": max_tokens - 1, "extra_args": {
-            "kv_transfer_params": {"lynx": {**kv, "tier": "full"}}}}, cache_salt=f"lynx-full-{method}")
+            "kv_transfer_params": {"lynx": {**kv, "tier": "full"}}}}, cache_salt=f"lynx-full-{xfer}")
         try:
             self._collect(res, t0, rq, sqs, s_ids)
         finally:

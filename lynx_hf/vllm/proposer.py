@@ -1,18 +1,25 @@
 """Drafts for vLLM's own verification: a `custom_class` proposer whose drafts are the shadow request's tokens.
 
-Terms. A *live transfer* is one the decode instance's connector is loading with a shadow: its prompt length P and
-the digest of its P prompt tokens (`LynxConnector.drafting()`). A row *belongs* to a live transfer when its first P
-tokens have that digest: the shadow S and the real request R both do (prompt + first token + output). The *source*
-of a transfer is the longest sequence seen among its rows; a row whose tokens t[0:n] are a proper prefix of the
-source q gets q[n:n+K] as drafts. vLLM's rejection sampler verifies them against the row's own KV (R: the full
-tier) — greedy: the target's argmax; sampling: a draft without probabilities is a point mass, which keeps the
-target distribution — so R's output is what full-tier decoding gives, whatever the drafts are.
+Terms. A *live transfer* is one the decode instance's connector drafts for (`LynxConnector.drafting()`: xfer →
+(P, key, members, first token)): its prompt length P, the *key* (digest of its members' first P + 1 tokens: the prompt and its first
+token) and how many requests it has. A row *belongs* to a live transfer when its first P + 1 tokens have that key
+(the longest P wins); the shadows S and the real request R all do. The *source* of a transfer is the longest
+sequence seen among its rows; a row whose tokens t[0:n] are a proper prefix of the source q gets q[n:n+K] as
+drafts. vLLM's rejection sampler verifies them against the row's own KV (R: the full tier) — greedy: the target's
+argmax; sampling: a draft without probabilities is a point mass, which keeps the target distribution — so R's
+output is what full-tier decoding gives, whatever the drafts are.
 
-Rows that belong to no live transfer get no drafts, so a baseline request on the same instance decodes as it would
-without the proposer (apart from vLLM's engine-wide padding of a resumed request's first step). vLLM hands the
-proposer rows, not request ids (`propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)`): rows are matched
-by content. A source outlives its row (S may finish before R runs) until its transfer ends."""
+Ownership. vLLM hands the proposer rows, not request ids (`propose(sampled_token_ids, num_tokens_no_spec,
+token_ids_cpu)`), so rows are matched by content, and content is made unambiguous before any draft is given: the
+connector's scheduler side sees every request's prompt and leaves out of `drafting()` any transfer that another
+live request could be mistaken for (duplicate prompts, a prompt extending it, a plain request starting with its
+P prompt tokens: hooks.py's *rivals*), and a step in which more rows match a transfer than it has requests gives that
+transfer none. So only a transfer's own rows get its drafts, and a plain request decodes as it would without the
+proposer (apart from vLLM's engine-wide padding of a resumed request's first step). A source outlives its row (S
+may finish before R runs) until its transfer ends."""
 from __future__ import annotations
+
+import collections
 
 import numpy as np
 
@@ -56,20 +63,21 @@ class DraftBook:
 
 
 def belongs(live: dict, tokens, cache: dict | None = None) -> str | None:
-    """The live transfer (xfer → (P, digest)) whose prompt `tokens` starts with, or None. `cache` memoizes the
-    digest of tokens[:P] by (id(tokens), P) within one step."""
-    for xfer, (P, digest) in live.items():
-        if len(tokens) <= P:
+    """The live transfer (xfer → (P, key, members, first token)) whose first P + 1 tokens `tokens` starts with (the
+    longest P), or None. Only rows with the transfer's first token at P are hashed; `cache` memoizes the digest of
+    tokens[:P + 1] by (id(tokens), P) within one step."""
+    best = None
+    for xfer, (P, key, _, first) in live.items():
+        if len(tokens) <= P or tokens[P] != first or (best is not None and P <= live[best][0]):
             continue
-        key = (id(tokens), P)
-        d = cache.get(key) if cache is not None else None
+        d = cache.get((id(tokens), P)) if cache is not None else None
         if d is None:
-            d = token_digest(tokens[:P])
+            d = token_digest(tokens[:P + 1])
             if cache is not None:
-                cache[key] = d
-        if d == digest:
-            return xfer
-    return None
+                cache[(id(tokens), P)] = d
+        if d == key:
+            best = xfer
+    return best
 
 
 def live_transfers() -> dict:
@@ -88,6 +96,9 @@ class LynxProposer:
     connector it asks for live transfers (`live`: injectable, for tests)."""
 
     def __init__(self, vllm_config, live=live_transfers):
+        from .fixes import install_expand_fix
+
+        install_expand_fix()  # vLLM #55005: its rejection sampler's CPU expand kernel (a no-op where vLLM is fixed)
         self.k = int(vllm_config.speculative_config.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.book, self.live = DraftBook(), live
@@ -103,6 +114,8 @@ class LynxProposer:
         rows = [token_ids_cpu[i, :int(num_tokens_no_spec[i])] for i in range(len(sampled_token_ids))]
         cache: dict = {}
         owner = [belongs(live, seq, cache) if sampled_token_ids[i] else None for i, seq in enumerate(rows)]
+        counts = collections.Counter(x for x in owner if x is not None)
+        owner = [x if x is not None and counts[x] <= live[x][2] else None for x in owner]  # more rows: ambiguous
         for seq, xfer in zip(rows, owner):
             if xfer is not None:  # rows still prefilling sampled nothing: they are not sources yet
                 self.book.record(xfer, seq)

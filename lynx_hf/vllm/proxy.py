@@ -7,7 +7,9 @@ instance (`/tokenize`, chat template included); the prefill instance runs it wit
 (its first token goes to the client at once); the decode instance gets the shadow (anchor tier, its own cache
 salt, output discarded, closed when the real request ends; two, as LynxPD sends them) and the real request (full tier), whose tokens are
 streamed back. Concurrent requests are batched by vLLM. A failed upstream request ends the client's request with
-an error naming it; the proxy serves on."""
+an error naming it; the proxy serves on. `logprobs` (an int, /v1/completions) comes back for every token, the
+prefill's first one included. A shadow samples as its real request does, with a seed of its own where the request
+names one (a draft must not share the randomness that verifies it). `--shadows 0` turns drafting off."""
 from __future__ import annotations
 
 import argparse
@@ -17,6 +19,8 @@ import secrets
 import time
 
 from aiohttp import ClientSession, ClientTimeout, web
+
+from .pd import shadow_seed
 
 PASS = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "repetition_penalty",
         "presence_penalty", "frequency_penalty", "min_tokens")
@@ -29,6 +33,7 @@ class Upstream(Exception):
 class Proxy:
     def __init__(self, prefill: str, decode: str, kv_host: str, kv_port: int, method: str = "lynx",
                  draft_budget: int = 31, timeout_s: float = 600.0, release: tuple = (0.0, 0.5)):
+        """release: one entry per shadow, the fraction of the residual placed before it starts (() : no shadows)."""
         self.prefill, self.decode, self.release = prefill.rstrip("/"), decode.rstrip("/"), release
         self.kv_host, self.kv_port, self.method, self.budget = kv_host, kv_port, method, draft_budget
         self.timeout = ClientTimeout(total=timeout_s)
@@ -38,7 +43,9 @@ class Proxy:
         async with self.http.post(url, json=body) as r:
             text = await r.text()
             if r.status != 200:
-                raise Upstream(f"{url} answered {r.status}: {text[:300]}")
+                hint = " (the decode instance fails a request whose KV transfer failed or was refused: its log names " \
+                       "the reason)" if url.startswith(self.decode) and r.status >= 500 else ""
+                raise Upstream(f"{url} answered {r.status}: {text[:300]}{hint}")
             return json.loads(text)
 
     async def _ids(self, body: dict, chat: bool) -> list:
@@ -71,6 +78,12 @@ class Proxy:
             raise web.HTTPBadRequest(text=f"max_tokens must be an int >= 1, got {max_tokens!r}")
         model, stream = body.get("model"), bool(body.get("stream", False))
         sampling = {k: body[k] for k in PASS if k in body}
+        logprobs = body.get("logprobs")
+        if logprobs is not None and (chat or isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= 20):
+            raise web.HTTPBadRequest(text="logprobs through the proxy: an int in [0, 20], on /v1/completions only")
+        if logprobs is not None:
+            sampling["logprobs"] = logprobs
         ids = await self._ids(body, chat)
         xfer = secrets.token_hex(8)
         first = await self._post(f"{self.prefill}/v1/completions", {
@@ -79,33 +92,38 @@ class Proxy:
         c0 = first["choices"][0]
         first_id, first_text = c0["token_ids"][0], c0["text"]
         kv = {"role": "consume", "xfer": xfer, "method": self.method, "host": self.kv_host, "port": self.kv_port,
-              "prompt_len": len(ids), "shadow": self.method in ("lynx", "paper")}
+              "prompt_len": len(ids), "shadow": self.method in ("lynx", "paper") and bool(self.release)}
         ids1, shadows = ids + [first_id], []
-        for release in (self.release if kv["shadow"] and max_tokens > 1 else ()):  # as LynxPD sends them
+        for i, release in enumerate(self.release if kv["shadow"] and max_tokens > 1 else ()):  # as LynxPD does
+            own = {k: v for k, v in sampling.items() if k != "logprobs"}
+            if isinstance(own.get("seed"), int):
+                own["seed"] = shadow_seed(own["seed"], i)
             shadows.append(asyncio.create_task(self._shadow({
-                "model": model, "prompt": ids1, "max_tokens": self.budget, **sampling,
+                "model": model, "prompt": ids1, "max_tokens": self.budget, **own,
                 "cache_salt": f"lynx-anchor-{xfer}",
                 "kv_transfer_params": {"lynx": {**kv, "tier": "anchor", "release": release}}})))
         real = {"model": model, "prompt": ids1, "max_tokens": max_tokens - 1, "stream": stream, **sampling,
-                "cache_salt": f"lynx-full-{self.method}", "kv_transfer_params": {"lynx": {**kv, "tier": "full"}}}
+                "cache_salt": f"lynx-full-{xfer}", "kv_transfer_params": {"lynx": {**kv, "tier": "full"}}}
         try:
             if max_tokens == 1:
-                return web.json_response(_whole(chat, model, first_text, c0.get("finish_reason"), len(ids), 1))
+                return web.json_response(_whole(chat, model, first_text, c0.get("finish_reason"), len(ids), 1,
+                                                c0.get("logprobs")))
             if not stream:
                 r = await self._post(f"{self.decode}/v1/completions", real)
                 c = r["choices"][0]
                 return web.json_response(_whole(chat, model, first_text + c["text"], c["finish_reason"], len(ids),
-                                                1 + r.get("usage", {}).get("completion_tokens", 0)))
-            return await self._stream(request, chat, model, first_text, real)
+                                                1 + r.get("usage", {}).get("completion_tokens", 0),
+                                                _joined(c0.get("logprobs"), c.get("logprobs"), len(first_text))))
+            return await self._stream(request, chat, model, c0, real)
         finally:
             for t in shadows:
                 t.cancel()
 
-    async def _stream(self, request, chat: bool, model, first_text: str, real: dict) -> web.StreamResponse:
+    async def _stream(self, request, chat: bool, model, c0: dict, real: dict) -> web.StreamResponse:
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await out.prepare(request)
         send = lambda obj: out.write(f"data: {json.dumps(obj)}\n\n".encode())  # noqa: E731
-        await send(_chunk(chat, model, first_text, None, first=True))
+        await send(_chunk(chat, model, c0["text"], None, first=True, logprobs=c0.get("logprobs")))
         async with self.http.post(f"{self.decode}/v1/completions", json=real) as r:
             if r.status != 200:
                 await send({"error": {"message": f"decode instance answered {r.status}: {(await r.text())[:300]}"}})
@@ -119,29 +137,45 @@ class Proxy:
                         await send(c)
                         break
                     ch = c["choices"][0]
-                    await send(_chunk(chat, model, ch.get("text", ""), ch.get("finish_reason")))
+                    await send(_chunk(chat, model, ch.get("text", ""), ch.get("finish_reason"),
+                                      logprobs=ch.get("logprobs")))
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
         return out
 
 
-def _chunk(chat: bool, model, text: str, finish, first: bool = False) -> dict:
+def _joined(first: dict | None, rest: dict | None, offset: int) -> dict | None:
+    """The prefill's first-token logprobs and the decode's, as one completions `logprobs` object."""
+    if first is None or rest is None:
+        return first or rest
+    out = {k: first[k] + rest[k] for k in ("tokens", "token_logprobs", "top_logprobs")}
+    out["text_offset"] = first["text_offset"] + [o + offset for o in rest["text_offset"]]
+    return out
+
+
+def _chunk(chat: bool, model, text: str, finish, first: bool = False, logprobs=None) -> dict:
     if chat:
         delta = {"role": "assistant", "content": text} if first else {"content": text}
         return {"object": "chat.completion.chunk", "created": int(time.time()), "model": model,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-    return {"object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+    choice = {"index": 0, "text": text, "finish_reason": finish}
+    if logprobs is not None:
+        choice["logprobs"] = logprobs
+    return {"object": "text_completion", "created": int(time.time()), "model": model, "choices": [choice]}
 
 
-def _whole(chat: bool, model, text: str, finish, prompt_tokens: int, completion_tokens: int) -> dict:
+def _whole(chat: bool, model, text: str, finish, prompt_tokens: int, completion_tokens: int,
+           logprobs: dict | None = None) -> dict:
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
              "total_tokens": prompt_tokens + completion_tokens}
     if chat:
         return {"object": "chat.completion", "created": int(time.time()), "model": model, "usage": usage,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}]}
+    choice = {"index": 0, "text": text, "finish_reason": finish}
+    if logprobs is not None:
+        choice["logprobs"] = logprobs
     return {"object": "text_completion", "created": int(time.time()), "model": model, "usage": usage,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+            "choices": [choice]}
 
 
 def app(proxy: Proxy) -> web.Application:
@@ -179,6 +213,8 @@ def main(argv=None) -> None:
     ap.add_argument("--kv-port", type=count(65535), default=7411, help="... and port")
     ap.add_argument("--method", default="lynx", help="the codec (lynx; int8, kivi4, bf16 ship whole)")
     ap.add_argument("--draft-budget", type=count(4096), default=31, help="tokens the shadow drafts")
+    ap.add_argument("--shadows", type=count(2, lo=0), default=2,
+                    help="shadow requests per Lynx request (released at 0 and half of the residual; 0: no drafts)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=count(65535), default=8000)
     a = ap.parse_args(argv)
@@ -187,8 +223,9 @@ def main(argv=None) -> None:
     LynxQuantConfig(method=a.method)
     if not 1 <= a.draft_budget <= 4096:
         ap.error(f"--draft-budget must be in [1, 4096], got {a.draft_budget}")
-    web.run_app(app(Proxy(a.prefill, a.decode, a.kv_host, a.kv_port, a.method, a.draft_budget)), host=a.host,
-                port=a.port, print=None)
+    proxy = Proxy(a.prefill, a.decode, a.kv_host, a.kv_port, a.method, a.draft_budget,
+                  release=(0.0, 0.5)[:a.shadows])
+    web.run_app(app(proxy), host=a.host, port=a.port, print=None)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,11 @@ REQUEST {xfer, quant_config, spec}; the prefill side answers PROMPT {xfer, quant
 (priority 1) and END. A segment is one layer's K or V over `SEGMENT_TOKENS` positions, packed as `serde` packs it.
 
 Bounds: a publisher holds at most `max_bytes` of encoded transfers (oldest unclaimed evicted first, and any left
-unclaimed `ttl_s` seconds); a subscriber refuses any frame larger than the codec's bound for its shape, any segment
-off the grid, duplicated or beyond the declared counts — before it allocates. The receiving thread parses bytes only;
-dequantization runs on the caller's thread (`Subscription.drain`), so no second OpenMP pool competes with the model."""
+unclaimed `ttl_s` seconds) and `MAX_REFUSALS` refusals. A subscriber holds one transfer's codes (its spec bounds
+them) and refuses any frame larger than the codec's bound for its shape, any segment off the grid, duplicated or
+beyond the declared counts — before it allocates. The receiving thread parses bytes only;
+checking and dequantization run on the caller's thread (`Subscription.drain` / `piece`), so no second OpenMP pool
+competes with the model."""
 from __future__ import annotations
 
 import collections
@@ -37,6 +39,7 @@ log = logging.getLogger("lynx_hf.vllm")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 MAX_XFER_ID = 128
 MAX_PROMPT = 1 << 20
+MAX_REFUSALS = 1024
 
 
 class StreamError(WireError):
@@ -81,6 +84,10 @@ class KVSpec:
         return max(segment_bound(config, kind, (1, self.kv_heads, SEGMENT_TOKENS, self.head_dim), self.torch_dtype)
                    for kind in ("key", "value")) + 64
 
+    def held_bound(self, config: LynxQuantConfig) -> int:
+        """Bytes a subscriber may hold for one such transfer: every segment at its frame bound."""
+        return sum(self.segments(codec(config).split)) * self.frame_limit(config)
+
 
 def token_digest(ids) -> str:
     """SHA-256 of a prompt's token ids (int64 little-endian): both instances must have prefilled the same tokens."""
@@ -88,7 +95,8 @@ def token_digest(ids) -> str:
 
     import numpy as np
 
-    return hashlib.sha256(np.asarray(list(ids), dtype="<i8").tobytes()).hexdigest()
+    a = ids if isinstance(ids, np.ndarray) else list(ids)  # (an ndarray row: no copy through a list)
+    return hashlib.sha256(np.asarray(a, dtype="<i8").tobytes()).hexdigest()
 
 
 def check_xfer_id(xfer) -> str:
@@ -114,6 +122,7 @@ class _Entry:
         self.config, self.spec, self.digest = config, spec, digest
         self.frames: list[tuple[Stream, bytes]] = []
         self.nbytes, self.done, self.claimed, self.born = 0, False, False, time.monotonic()
+        self.error: str | None = None  # a refused transfer: what its subscriber hears instead of KV
 
 
 class KVPublisher:
@@ -122,7 +131,7 @@ class KVPublisher:
     instance that asks for it, then drops it. Every byte it holds is under `max_bytes`."""
 
     def __init__(self, host: str, port: int, secret: bytes, fingerprint: str, bandwidth_bps: float | None = None,
-                 latency_s: float = 0.0, max_bytes: int = 1 << 30, ttl_s: float = 120.0, timeout_s: float = 30.0,
+                 latency_s: float = 0.0, max_bytes: int = 1 << 30, ttl_s: float = 600.0, timeout_s: float = 30.0,
                  max_connections: int = 64):
         self.secret, self.fp, self.max_bytes, self.ttl_s, self.timeout_s = secret, fingerprint, max_bytes, ttl_s, \
             timeout_s
@@ -162,6 +171,20 @@ class KVPublisher:
             e.frames += frames
             e.nbytes += size
             self.stored_bytes += size
+            self._cv.notify_all()
+
+    def refuse(self, xfer: str, why: str) -> None:
+        """Publish a refusal instead of KV (a prefill request whose Lynx parameters were refused): the subscriber to
+        `xfer` hears `why` at once. At most MAX_REFUSALS are held (oldest dropped), each under the TTL."""
+        with self._cv:
+            self._expire()
+            if check_xfer_id(xfer) in self._entries:
+                return
+            refusals = [x for x, e in self._entries.items() if e.error is not None]
+            for x in refusals[:max(0, len(refusals) + 1 - MAX_REFUSALS)]:
+                del self._entries[x]
+            e = self._entries[xfer] = _Entry(None, None, "")
+            e.error, e.done = why[:500], True
             self._cv.notify_all()
 
     def finish(self, xfer: str) -> None:
@@ -249,6 +272,9 @@ class KVPublisher:
                 if not self._cv.wait(max(0.0, deadline - time.monotonic())):
                     raise StreamError(f"unknown transfer {xfer!r} (never published, expired or evicted)")
             e = self._entries[xfer]
+            if e.error is not None:
+                del self._entries[xfer]
+                raise StreamError(f"transfer {xfer!r} was refused by the prefill instance: {e.error}")
             if e.claimed:
                 raise StreamError(f"transfer {xfer!r} is being streamed to another subscriber")
             if e.config != config:
@@ -309,10 +335,11 @@ class Arrival:
 
 class Subscription:
     """The decode instance's side of one transfer: a thread connects, authenticates, asks for `xfer` and receives
-    its segments; `drain(sink)` (the caller's thread) checks and dequantizes what arrived and hands each piece to
-    `sink(tier, layer, kind, start, x)` — tier "anchor" (anchor-only KV, split codecs only) or "full" — where x is
-    [1, H_kv, count, D]; a sink that returns False is not ready for that tier (the piece waits). `anchor_done` /
-    `full_done` say when every piece of a tier went to the sink; `error` says why the transfer failed."""
+    its segments; `drain()` (the caller's thread) checks what arrived and adds it to the transfer's *held copy* —
+    its codes, kept until `close()`, so a request that joins late or comes back after a preemption gets the same
+    KV. A *piece* is one (layer, kind, start) segment of one tier: tier "anchor" (anchor-only KV, split codecs only)
+    or "full"; `count(tier)` pieces of it are held, in arrival order, and `piece(tier, i)` dequantizes the i-th,
+    [1, H_kv, count, D]. `anchor_done` / `full_done` say when a tier is held whole; `error` says why it failed."""
 
     def __init__(self, host: str, port: int, secret: bytes, fingerprint: str, xfer: str, config: LynxQuantConfig,
                  spec: KVSpec, digest: str, timeout_s: float = 60.0, connect_timeout_s: float = 10.0):
@@ -321,14 +348,15 @@ class Subscription:
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self.split = codec(config).split
         self.expected = spec.segments(self.split)
+        self.pieces = self.expected[0]  # per tier: one piece per (layer, kind, start)
         self.error: str | None = None
-        self.bytes_in = {Stream.ANCHOR: 0, Stream.RESIDUAL: 0}
-        self.arrived_at: dict[str, float] = {}  # "anchor" / "full": when that tier's last segment arrived (time.time)
-        self._inbox: collections.deque[Arrival] = collections.deque()
-        self._anchors: dict = {}           # (layer, kind, start) -> SplitKV awaiting its residual
+        self._bytes_in = {Stream.ANCHOR: 0, Stream.RESIDUAL: 0}
+        self._arrived_at: dict[str, float] = {}  # "anchor" / "full": when that tier's last segment arrived
+        self._inbox: collections.deque[Arrival] = collections.deque()  # received, not yet checked (drain)
+        self._held: dict = {}                    # (layer, kind, start) -> SplitKV (its residual once it landed)
+        self._order = {"anchor": [], "full": []}  # per tier: the keys of its held pieces, in arrival order
         self._seen: set = set()
-        self._done = {"anchor": 0, "full": 0}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()            # the inbox, bytes and times (the receiving thread writes them)
         self._closed = threading.Event()
         self._ch: Channel | None = None
         warm(config, {"batch": 1, "kv_heads": spec.kv_heads, "head_dim": spec.head_dim,
@@ -338,15 +366,31 @@ class Subscription:
 
     @property
     def anchor_done(self) -> bool:
-        return self.split and self._done["anchor"] == self.expected[0]
-
-    def placed(self, tier: str) -> int:
-        """Pieces of `tier` handed to the sink so far."""
-        return self._done[tier]
+        return self.split and len(self._order["anchor"]) == self.pieces
 
     @property
     def full_done(self) -> bool:
-        return self._done["full"] == self.expected[0]
+        return len(self._order["full"]) == self.pieces
+
+    def count(self, tier: str) -> int:
+        """Pieces of `tier` held so far."""
+        return len(self._order[tier])
+
+    def piece(self, tier: str, i: int) -> tuple[int, str, int, torch.Tensor]:
+        """The i-th held piece of `tier` → (layer, kind, start, x: [1, H_kv, count, D])."""
+        key = self._order[tier][i]
+        return (*key, dequantize(self._held[key], tier))
+
+    def times(self) -> dict:
+        """{"bytes", "anchor_bytes", "anchor_at", "full_at"} so far (times: time.time() of a tier's last segment)."""
+        with self._lock:
+            return {"bytes": sum(self._bytes_in.values()), "anchor_bytes": self._bytes_in[Stream.ANCHOR],
+                    **{f"{t}_at": v for t, v in self._arrived_at.items()}}
+
+    @property
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(self._bytes_in.values())
 
     def _fail(self, why: str) -> None:
         if self.error is None:
@@ -370,11 +414,15 @@ class Subscription:
                 self._fail(f"{where}: no KV frame for {self.timeout_s:g} s on transfer {self.xfer!r}")
             else:
                 self._fail(f"{where}: transfer {self.xfer!r} failed: {e}")
+        except Exception as e:  # noqa: BLE001 — anything else a peer's frames provoke fails this transfer alone
+            self._fail(f"transfer {self.xfer!r} failed on a malformed stream: {type(e).__name__}: {e}")
         finally:
             if self._ch is not None:
                 self._ch.close()
 
-    def _check_prompt(self, p: dict) -> None:
+    def _check_prompt(self, p) -> None:
+        if not isinstance(p, dict):
+            raise WireError("PROMPT must be a JSON object")
         if p.get("xfer") != self.xfer or p.get("quant_config") != self.config.to_dict() \
                 or p.get("spec") != asdict(self.spec):
             raise WireError("PROMPT does not match the request (transfer, codec or geometry)")
@@ -398,12 +446,12 @@ class Subscription:
             got[a.stream] += 1
             now = time.time()
             with self._lock:
-                self.bytes_in[a.stream] += len(f.payload)
+                self._bytes_in[a.stream] += len(f.payload)
                 self._inbox.append(a)
-            if got[Stream.ANCHOR] == self.expected[0] and "anchor" not in self.arrived_at:
-                self.arrived_at["anchor"] = now
-            if got[Stream.ANCHOR] + got[Stream.RESIDUAL] == total:
-                self.arrived_at["full"] = now
+                if got[Stream.ANCHOR] == self.expected[0] and "anchor" not in self._arrived_at:
+                    self._arrived_at["anchor"] = now
+                if got[Stream.ANCHOR] + got[Stream.RESIDUAL] == total:
+                    self._arrived_at["full"] = now
 
     def _check_place(self, a: Arrival) -> None:
         P = self.spec.prompt_len
@@ -417,9 +465,9 @@ class Subscription:
             raise WireError(f"a residual segment for method {self.config.method!r}, which has none")
         self._seen.add(key)
 
-    def drain(self, sink, budget: int | None = None) -> int:
-        """Check, dequantize and sink what arrived (at most `budget` pieces); returns how many went. A malformed
-        piece fails the transfer (`error`)."""
+    def drain(self, budget: int | None = None) -> int:
+        """Check what arrived (at most `budget` segments) and hold it; returns how many. A malformed segment fails
+        the transfer (`error`). No dequantization here: `piece` does it for whoever places the piece."""
         n = 0
         while self.error is None and (budget is None or n < budget):
             with self._lock:
@@ -427,42 +475,33 @@ class Subscription:
                     break
                 a = self._inbox[0]
             try:
-                ok = self._sink_one(a, sink)
+                self._hold(a)
             except (WireError, ValueError, RuntimeError) as e:
                 self._fail(f"transfer {self.xfer!r}: a bad segment from the prefill instance: {e}")
-                break
-            if not ok:
                 break
             with self._lock:
                 self._inbox.popleft()
             n += 1
         return n
 
-    def _sink_one(self, a: Arrival, sink) -> bool:
+    def _hold(self, a: Arrival) -> None:
         shape, dt = (1, self.spec.kv_heads, a.count, self.spec.head_dim), self.spec.torch_dtype
         key = (a.layer, a.kind, a.start)
         if a.stream == Stream.ANCHOR:
-            split = self._anchors.get(key) or to_split(a.tensors, self.config, a.kind, a.axis, shape, dt)
-            self._anchors[key] = split
-            tier = "anchor" if self.split else "full"
-            if not sink(tier, a.layer, a.kind, a.start, dequantize(split, "full" if tier == "full" else "anchor")):
-                return False
-            self._done[tier] += 1
-            if not self.split:
-                del self._anchors[key]
-            return True
-        split = self._anchors.get(key)
-        if split is None:
-            return False  # its anchor is still ahead in the inbox's order (never: anchors come first)
+            self._held[key] = to_split(a.tensors, self.config, a.kind, a.axis, shape, dt)
+            self._order["anchor" if self.split else "full"].append(key)
+            return
+        split = self._held.get(key)
+        if split is None:  # the publisher queues a segment's anchor before its residual, on one connection
+            raise WireError(f"residual segment layer {a.layer} {a.kind} at {a.start} before its anchor")
         split.residual = check_residual(a.tensors, self.config, a.kind, split.axis, shape, dt)
-        if not sink("full", a.layer, a.kind, a.start, dequantize(split, "full")):
-            split.residual = None
-            return False
-        del self._anchors[key]
-        self._done["full"] += 1
-        return True
+        self._order["full"].append(key)
 
     def close(self) -> None:
+        """Stop receiving and drop the held copy."""
         self._closed.set()
         if self._ch is not None:
             self._ch.close()
+        self._held.clear()
+        with self._lock:
+            self._inbox.clear()

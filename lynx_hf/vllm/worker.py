@@ -1,0 +1,217 @@
+"""The connector's worker-side logic as plain Python (hooks.py has the terms and the scheduler side): the paged KV
+(`register`), the publisher on the prefill instance, the transfers and loads on the decode instance.
+
+Hooks: `handle_preemptions` and `begin_step` (start_load_kv) take the step's metadata; `save_layer`
+(save_kv_layer); `results` (get_transfer_results); `stats` (build_connector_worker_meta); `drafting` (what the
+proposer drafts for).
+
+Decode instance. One `Subscription` per live transfer holds its codes until the scheduler side closes it. A *load*
+places one request's tier into its blocks, piece by piece, from its own cursor over the held pieces, so no load
+waits for another request (a late one replays what arrived before it). Each `results` call places pieces for at
+most as long as the engine ran since the last one returned (the forward, the scheduler, the proposer), and at
+least `drain_ms` (and one piece): placement gets at most half the engine's time while there is a backlog, so a fast
+link never stalls the batch, and a slow step never starves placement. Real requests first, then waiting shadows, then upgrades of decoding shadows. R is
+ready when its full tier is placed; a shadow when its anchors are and its share (`release`) of the full tier
+(with `upgrade_shadows`, placed into its own blocks: a shadow drafts on KV that improves as the residual lands).
+Writes into a request's blocks stop the step vLLM preempts, aborts or finishes it, before the next forward."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from . import paged
+from .hooks import TIERS, LoadMeta, StepMeta, codec_config
+from .stream import KVPublisher, KVSpec, Subscription, encode_layer
+
+log = logging.getLogger("lynx_hf.vllm")
+
+
+@dataclass
+class _Load:
+    meta: LoadMeta
+    cursor: dict = field(default_factory=lambda: {t: 0 for t in TIERS})
+    aborted: bool = False
+
+
+class WorkerSide:
+    def __init__(self, base_config: dict, secret: bytes, fingerprint: str, publisher: KVPublisher | None = None,
+                 timeout_s: float = 60.0, upgrade_shadows: bool = True, drain_ms: float = 20.0,
+                 clock=time.monotonic):
+        codec_config(base_config, "lynx")  # a bad base (exact mode among it) refused at setup, not in a forward
+        self.base, self.secret, self.fp, self.publisher, self.timeout_s = base_config, secret, fingerprint, \
+            publisher, timeout_s
+        self.upgrade_shadows, self.drain_s, self.clock = upgrade_shadows, drain_ms / 1e3, clock
+        self.layers: list = []  # per layer, its paged KV tensor [NB, H, bs, 2D]
+        self.index: dict[str, int] = {}
+        self.kv_heads = self.head_dim = 0
+        self.dtype = ""
+        self._subs: dict[str, Subscription] = {}
+        self._loads: dict[str, _Load] = {}     # loads not reported yet
+        self._decoding: dict[str, _Load] = {}  # shadows decoding: their prompt KV upgraded as the residual lands
+        self._step_end: float | None = None     # when the last `results` call returned (its forward ran since)
+        self._stats: dict[str, dict] = {}
+        self._unsaved: set[str] = set()
+        self.drafting: dict[str, tuple] = {}   # xfer -> (P, key, rows), the latest step's (StepMeta.drafts)
+
+    def register(self, kv_caches: dict) -> None:
+        """kv_caches: layer name → [NB, H, bs, 2D] (in the model's layer order)."""
+        for name, t in kv_caches.items():
+            paged.kv_views(t)  # the layout paged.py reads, or a ValueError naming what it got
+        self.index = {name: i for i, name in enumerate(kv_caches)}
+        self.layers = list(kv_caches.values())
+        _, self.kv_heads, _, d2 = self.layers[0].shape
+        self.head_dim = d2 // 2
+        self.dtype = str(self.layers[0].dtype).replace("torch.", "")
+
+    def spec(self, prompt_len: int) -> KVSpec:
+        return KVSpec(len(self.layers), self.kv_heads, self.head_dim, self.dtype, prompt_len)
+
+    # -- both -------------------------------------------------------------------------------------------------
+    def forget(self, req_ids) -> None:
+        """No more writes into these requests' blocks (preempted, finished or aborted)."""
+        for rid in req_ids:
+            self._decoding.pop(rid, None)
+            if rid in self._loads:
+                self._loads[rid].aborted = True
+
+    def begin_step(self, meta: StepMeta) -> None:
+        """The step's metadata: preemptions, refusals to publish, transfers ended, new loads, draft permissions."""
+        self.forget(meta.preempted)
+        for xfer, why in meta.refusals:
+            try:
+                if self.publisher is not None:
+                    self.publisher.refuse(xfer, why)
+            except (ValueError, RuntimeError) as e:  # never the forward
+                log.warning("transfer %s: refusal not published: %s", xfer, e)
+        for xfer in meta.closed:
+            sub = self._subs.pop(xfer, None)
+            if sub is not None:
+                sub.close()
+        for rid in meta.yielded:
+            ld = self._loads.get(rid)
+            if ld is not None and ld.meta.error is None:
+                ld.meta.error = "a shadow yields its blocks to a real request waiting for them"
+        for m in meta.loads:
+            self._start_load(m)
+        self.drafting = dict(meta.drafts)
+
+    # -- prefill instance -------------------------------------------------------------------------------------
+    def save_layer(self, meta: StepMeta, name: str, layer_cache) -> None:
+        """During the forward pass, after layer `name` wrote its KV: encode and queue the step's saves' KV of it."""
+        i = self.index.get(name)
+        if i is None:
+            return
+        if i == 0:
+            self._unsaved = set()  # this step's saves that failed: none of their later layers are added
+        for s in meta.saves:
+            if s.xfer in self._unsaved:
+                continue
+            try:
+                config = codec_config(self.base, s.method)  # (validated by the scheduler side already)
+                if i == 0:
+                    self.publisher.begin(s.xfer, config, self.spec(s.prompt_len), s.digest)
+                k, v = paged.gather(layer_cache, s.block_ids, s.prompt_len)
+                self.publisher.add(s.xfer, encode_layer(config, i, len(self.layers), k, v))
+            except (ValueError, RuntimeError) as e:  # one transfer fails, never the forward
+                self._unsaved.add(s.xfer)  # (one that began: its subscriber hears "unknown" or the stream's end)
+                log.warning("transfer %s not published: %s", s.xfer, e)
+                continue
+            if i == len(self.layers) - 1:
+                self.publisher.finish(s.xfer)
+
+    # -- decode instance --------------------------------------------------------------------------------------
+    def _start_load(self, m: LoadMeta) -> None:
+        self._loads[m.req_id] = _Load(m)
+        if m.error is not None:
+            return
+        sub = self._subs.get(m.xfer)
+        if sub is not None:  # another member's: the same prompt, codec and geometry, or this load fails
+            if (sub.digest, sub.config, sub.spec) != (m.digest, codec_config(self.base, m.method),
+                                                      self.spec(m.prompt_len)):
+                m.error = f"transfer {m.xfer!r} is another prompt's, codec's or length's"
+            return
+        try:
+            self._subs[m.xfer] = Subscription(m.host, m.port, self.secret, self.fp, m.xfer,
+                                              codec_config(self.base, m.method), self.spec(m.prompt_len), m.digest,
+                                              self.timeout_s)
+        except (ValueError, OSError) as e:
+            m.error = f"transfer {m.xfer!r} could not start: {e}"
+
+    def _place(self, budget_s: float) -> None:
+        """Place held pieces into the loads' blocks, for at most `budget_s` (at least one piece)."""
+        deadline, cache = self.clock() + budget_s, {}
+        waiting = [ld for ld in self._loads.values() if not ld.aborted and ld.meta.error is None]
+        work = [(ld, "full") for ld in waiting if ld.meta.tier == "full"] + \
+               [(ld, "anchor") for ld in waiting if ld.meta.tier == "anchor"]
+        if self.upgrade_shadows:
+            work += [(ld, "full") for ld in waiting if ld.meta.tier == "anchor"]
+            work += [(ld, "full") for ld in self._decoding.values() if ld.meta.error is None]
+        placed = 0
+        for ld, tier in work:
+            sub = self._subs.get(ld.meta.xfer)
+            if sub is None or (tier == "full" and ld.meta.tier == "anchor" and ld.cursor["anchor"] < sub.pieces):
+                continue  # a shadow's upgrade starts once its anchors are all placed (never overwritten after)
+            while ld.cursor[tier] < sub.count(tier) and (placed == 0 or self.clock() < deadline):
+                i = ld.cursor[tier]
+                if (ld.meta.xfer, tier, i) not in cache:
+                    cache[(ld.meta.xfer, tier, i)] = sub.piece(tier, i)
+                layer, kind, start, x = cache[(ld.meta.xfer, tier, i)]
+                lo = max(start, ld.meta.start)  # below `start`: the local prefix hit, never written
+                try:
+                    if lo < start + x.shape[2]:
+                        paged.scatter(self.layers[layer], ld.meta.block_ids, lo, kind, x[:, :, lo - start:])
+                except ValueError as e:  # (the scheduler side's checks make this unreachable): this load fails alone
+                    ld.meta.error = f"transfer {ld.meta.xfer!r}: {e}"
+                    break
+                ld.cursor[tier] += 1
+                placed += 1
+
+    def budget(self, now: float) -> float:
+        """Seconds this step may place for: the time since the last call returned (the step's forward, scheduler and
+        proposer), at least drain_ms."""
+        return max(self.drain_s, 0.0 if self._step_end is None else now - self._step_end)
+
+    def _ready(self, ld: _Load, sub: Subscription | None) -> bool:
+        if sub is None:
+            return False
+        if ld.meta.tier == "full":
+            return ld.cursor["full"] == sub.pieces
+        full = ld.cursor["full"] if self.upgrade_shadows else sub.count("full")
+        return ld.cursor["anchor"] == sub.pieces and full >= ld.meta.release * sub.pieces
+
+    def results(self, finished_req_ids: set) -> tuple[set, set]:
+        """Hold what arrived, place what the loads need; → (finished_recving, failed_recving) request ids."""
+        self.forget(finished_req_ids)  # aborted while loading: reported below, so vLLM frees its blocks
+        budget = self.budget(self.clock())
+        for sub in self._subs.values():
+            sub.drain()
+        self._place(budget)
+        done, failed = set(), set()
+        for rid, ld in list(self._loads.items()):
+            m, sub = ld.meta, self._subs.get(ld.meta.xfer)
+            error = m.error or (sub.error if sub is not None else f"transfer {m.xfer!r} has no stream")
+            ready = not ld.aborted and m.error is None and self._ready(ld, sub)
+            if not (ld.aborted or ready or error):
+                continue
+            done.add(rid)
+            del self._loads[rid]
+            if error and not ready and not ld.aborted:
+                failed.add(rid)
+                log.warning("request %s: %s", rid, error)
+            if sub is not None:
+                self._stats[rid] = sub.times()
+            if ready and m.tier == "anchor" and self.upgrade_shadows:
+                self._decoding[rid] = ld  # until vLLM preempts or finishes it
+        self._step_end = self.clock()
+        return done, failed
+
+    def stats(self) -> dict:
+        out, self._stats = self._stats, {}
+        return out
+
+    def close(self) -> None:
+        for sub in self._subs.values():
+            sub.close()
+        if self.publisher is not None:
+            self.publisher.close()
