@@ -33,6 +33,7 @@ from tqdm import tqdm
 import lynx_hf
 from lynx_hf import LynxQuantConfig, SpecConfig
 
+from .floors import paired, rotated, spread
 from .harness import final_line, prefill_child, printer, pyplot, save_figure, save_plot
 
 OUT = "runs/bench_session"
@@ -111,7 +112,8 @@ def _turn_row(r: dict, turn: int, ids: list[int], identical, bandwidth_bps: floa
             "prefill_tokens": len(ids) - r["held_tokens"] if r.get("prefilled_on") == "decode" else
             len(ids) - (r.get("prefix_hit") or 0), "prefill_s": r["prefill_s"],  # (computed where it was placed)
             "drafted": r["stats"]["drafted"], "accepted": r["stats"]["accepted"], "identical": identical,
-            "prefilled_on": r.get("prefilled_on", "prefill")}
+            "prefilled_on": r.get("prefilled_on", "prefill"),
+            "ttft_floor_s": r.get("logits_s"), "link_s": r["bytes"] * 8 / bandwidth_bps}
 
 
 def no_draft_reference(model, cache, ids: list[int], tokens: list[int]) -> list[int]:
@@ -127,56 +129,42 @@ def no_draft_reference(model, cache, ids: list[int], tokens: list[int]) -> list[
 
 def run(turns: int = 4, bandwidth_mbps: float = 15.0, new_tokens: int = 32, prefix_cache: bool = True,
         bf16_whole: bool = False, model_name: str | None = None, out_dir: str = OUT,
-        as_json: bool = False, seed: int = 0, results: str | None = None, port: int | None = None) -> dict:
+        as_json: bool = False, seed: int = 0, results: str | None = None, port: int | None = None,
+        repeat: int = 1) -> dict:
+    """repeat: rounds, each the whole conversation in every arm (a round's own conversations: no prefix hit across
+    rounds), the arms' order rotated per round; the ratios at the last turn are medians of per-round paired ratios,
+    beside their floors (eval/floors.py: a turn's TTFT floor is its logits' arrival)."""
     say = printer(as_json, stderr=True)
     if new_tokens < 32:
         raise ValueError("--new-tokens must be at least 32 (TT32T)")
+    if not isinstance(repeat, int) or repeat < 1:
+        raise ValueError(f"repeat must be an int >= 1, got {repeat!r}")
     model, tok = lynx_hf.load_default_model(model_name)
-    chat = Chat(tok)
     plan = [(f"{c}/whole", c, False) for c in (("bf16",) if bf16_whole else ()) + WHOLE] + \
            [(f"{c}/delta", c, True) for c in DELTA] + [("lynx/auto", "lynx", True)]
-    # each arm its own conversation, told apart from its first token: the prefill server's prefix cache serves an
-    # arm its own earlier turns, never another arm's (as one real conversation is served)
-    convs = {name: conversation(tok, turns, seed, tag=f"Session {name}. ") for name, _, _ in plan}
-    conv = {name: list(convs[name][0]) for name in convs}
-    msgs = convs[plan[0][0]][1]  # the tool outputs: the same in every arm
-    system = convs[plan[0][0]][0]
-    arms = {name: [] for name, _, _ in plan}
     server_args = ("--prefix-cache-mb", "4096" if prefix_cache else "0", "--prefill-step", "4096")
     say(f"starting the prefill process (link emulator {bandwidth_mbps:g} Mbit/s, prefix cache "
         f"{'on' if prefix_cache else 'off'}) ...")
     t_start = time.perf_counter()
+    system = conversation(tok, turns, seed)[0]
     with prefill_child(model, bandwidth_mbps * 1e6, system[:64], model_name, timeout_s=300,
                        server_args=server_args, port=port) as cli:
-        sessions = {name: cli.session(quant_config=CODECS[c], spec_config=SpecConfig(max_draft_steps=64))
-                    for name, c, delta in plan if delta}
-        bar = tqdm(total=turns * len(plan), desc="turns x arms", file=sys.stderr)
-        for t in range(turns):
-            for name, c, delta in plan:
-                ids = conv[name] + msgs[t]
-                gen = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens}
-                if delta:  # lynx/auto: each turn's new positions where session.Placement expects them sooner
-                    r = sessions[name].generate(ids, prefill_on="auto" if name.endswith("/auto") else "prefill",
-                                                **gen)
-                else:
-                    r = cli.generate(ids, CODECS[c], keep_cache=True, spec_config=SpecConfig(max_draft_steps=64),
-                                     **gen)
-                identical = None
-                if c.startswith("lynx"):  # every Lynx turn, wherever its new positions were computed
-                    ref = no_draft_reference(model, r["cache"], ids, r["tokens"])
-                    identical = ref == r["tokens"]
-                    r["tokens"] = ref  # the conversation goes on with what the cache now holds
-                arms[name].append(_turn_row(r, t + 1, ids, identical, bandwidth_mbps * 1e6))
-                conv[name] = ids + r["tokens"] + chat.reply_end()
-                bar.update(1)
+        bar = tqdm(total=repeat * turns * len(plan), desc="rounds x turns x arms", file=sys.stderr)
+        rounds = [_round(cli, model, tok, rotated(plan, r), turns, seed, new_tokens, bandwidth_mbps, r, bar)
+                  for r in range(repeat)]
         bar.close()
     wall = time.perf_counter() - t_start
+    arms = {name: rounds[-1][name] for name, _, _ in plan}
     _table(arms, say)
     res = {"arms": arms, "turns": turns, "bandwidth_mbps": bandwidth_mbps, "new_tokens": new_tokens,
-           "prefix_cache": prefix_cache, "wall_s": round(wall, 1), "ratios": _ratios(arms)}
+           "prefix_cache": prefix_cache, "wall_s": round(wall, 1), "ratios": _ratios(arms), **_rounds(rounds)}
+    if repeat > 1:
+        say(f"{repeat} rounds, at the last turn: " + ", ".join(
+            f"{k} {v['median']:.2f} [{v['min']:.2f}, {v['max']:.2f}]" for k, v in res["ratios"].items()
+            if isinstance(v, dict)) + f"; Lynx delta TTFT at its floor {res['at_floor']['lynx_delta_ttft']}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_session.json").write_text(json.dumps(res, indent=2))
+    (out / "bench_session.json").write_text(json.dumps({**res, "per_round": rounds}, indent=2))
     save_plot(lambda path: plot(arms, path, bandwidth_mbps), out / "bench_session.png", say,
               beside=out / "bench_session.json")
     if results:
@@ -186,6 +174,58 @@ def run(turns: int = 4, bandwidth_mbps: float = 15.0, new_tokens: int = 32, pref
         write_section(Path(results), markdown(res, cmd))
         say(f"wrote the agent-sessions section of {results}")
     return final_line(res)
+
+
+def _round(cli, model, tok, plan, turns, seed, new_tokens, bandwidth_mbps, r, bar) -> dict:
+    """One round: each arm its own conversation, told apart from its first token (the prefill server's prefix cache
+    serves an arm its own earlier turns, never another arm's or another round's); the arms take turns in `plan`'s
+    order. → {arm: [per turn]}."""
+    chat = Chat(tok)
+    convs = {name: conversation(tok, turns, seed, tag=f"Session {name}{f' #{r}' if r else ''}. ")
+             for name, _, _ in plan}
+    conv = {name: list(convs[name][0]) for name in convs}
+    msgs = convs[plan[0][0]][1]  # the tool outputs: the same in every arm
+    sessions = {name: cli.session(quant_config=CODECS[c], spec_config=SpecConfig(max_draft_steps=64))
+                for name, c, delta in plan if delta}
+    arms = {name: [] for name, _, _ in plan}
+    for t in range(turns):
+        for name, c, delta in plan:
+            ids = conv[name] + msgs[t]
+            gen = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens}
+            if delta:  # lynx/auto: each turn's new positions where session.Placement expects them sooner
+                r_ = sessions[name].generate(ids, prefill_on="auto" if name.endswith("/auto") else "prefill", **gen)
+            else:
+                r_ = cli.generate(ids, CODECS[c], keep_cache=True, spec_config=SpecConfig(max_draft_steps=64), **gen)
+            identical = None
+            if c.startswith("lynx"):  # every Lynx turn, wherever its new positions were computed
+                ref = no_draft_reference(model, r_["cache"], ids, r_["tokens"])
+                identical = ref == r_["tokens"]
+                r_["tokens"] = ref  # the conversation goes on with what the cache now holds
+            arms[name].append(_turn_row(r_, t + 1, ids, identical, bandwidth_mbps * 1e6))
+            conv[name] = ids + r_["tokens"] + chat.reply_end()
+            bar.update(1)
+    return arms
+
+
+RATIOS = {"delta_whole_ttft": ("lynx/delta", "lynx/whole", "ttft_s"),
+          "lynx_int4_delta_ttft": ("lynx/delta", "int4/delta", "ttft_s"),
+          "lynx_int8_delta_tt32t": ("lynx/delta", "int8/delta", "tt32t_s")}
+
+
+def _rounds(rounds: list[dict]) -> dict:
+    """At the last turn: `ratios` (medians of per-round paired ratios, [min, max]), `floor` (the TTFT ratios'
+    floors), `at_floor` (Lynx delta TTFT ÷ its floor, median); `rounds`; every round's identical flag."""
+    last = [{k: v[-1] for k, v in arms.items()} for arms in rounds]
+    floors_ = [{k: {"ttft_s": t["ttft_floor_s"]} for k, t in row.items()} for row in last]
+    ratios = {k: paired(last, a, b, f) for k, (a, b, f) in RATIOS.items()}
+    fl = {k: paired(floors_, a, b, f) for k, (a, b, f) in RATIOS.items() if f == "ttft_s"}
+    at = spread([row["lynx/delta"]["ttft_s"] / row["lynx/delta"]["ttft_floor_s"] for row in last
+                 if row["lynx/delta"].get("ttft_floor_s")])
+    return {"rounds": len(rounds), "ratios": {**_ratios({k: [v] for k, v in last[-1].items()}), **ratios},
+            "floor": {k: v and v["median"] for k, v in fl.items()},
+            "at_floor": {"lynx_delta_ttft": at and at["median"]},
+            "identical": [all(t["identical"] is True for k, v in arms.items() if k.startswith("lynx/") for t in v)
+                          for arms in rounds]}
 
 
 SECTION = "# Agent sessions: each turn's new KV versus the whole history"
@@ -318,9 +358,12 @@ def register(bench) -> None:
     p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.add_argument("--port", type=count(65535), help=PORT_HELP)
+    p.add_argument("--repeat", type=count(1000), default=1,
+                   help="rounds of the whole conversation, arms rotated per round; medians of paired ratios")
     p.set_defaults(fn=_command)
 
 
 def _command(a) -> None:
     run(turns=a.turns, bandwidth_mbps=a.bandwidth_mbps, new_tokens=a.new_tokens, prefix_cache=not a.no_prefix_cache,
-        bf16_whole=a.bf16_whole, model_name=a.model, out_dir=a.out, as_json=a.json, results=a.results, port=a.port)
+        bf16_whole=a.bf16_whole, model_name=a.model, out_dir=a.out, as_json=a.json, results=a.results, port=a.port,
+        repeat=a.repeat)

@@ -91,7 +91,7 @@ def _demo(a):
 
     plane_or_exit(a)
     demo.run(a.prompt_file, a.tokens, a.bandwidth_mbps * 1e6, a.new_tokens, a.json, a.out, a.model, a.do_sample,
-             data_plane=a.data_plane, port=a.port, dtype=a.dtype, anchor_bits=a.anchor_bits)
+             data_plane=a.data_plane, port=a.port, dtype=a.dtype, anchor_bits=a.anchor_bits, repeat=a.repeat)
 
 
 def _add_demo(sub) -> None:
@@ -112,6 +112,8 @@ def _add_demo(sub) -> None:
     d.add_argument("--port", type=count(65535), help=PORT_HELP)
     d.add_argument("--dtype", choices=DTYPES, default="float32", help=DTYPE_HELP)
     d.add_argument("--anchor-bits", type=anchor_width(), default=4, help=ANCHOR_BITS_HELP + " (the Lynx rows)")
+    d.add_argument("--repeat", type=count(1000, lo=1), default=1,
+                   help="rounds: every method once per round in a rotated order; medians [min, max], paired ratios")
     d.set_defaults(fn=_demo)
 
 

@@ -60,6 +60,7 @@ class TurnResult(DictReads):
     finish_reason: str = "length"  # "length" (max_new_tokens), "context" (the model's context ended), "stop"
     prefilled_on: str = "prefill"  # where the turn's new positions were computed: "prefill" or "decode" (Placement)
     width: dict | None = None    # anchor_bits "auto": the width chosen, why, each width's forecast (stats.width)
+    logits_s: float | None = None  # when the prefill's logits landed (None: they were there before the turn began)
 
     @classmethod
     def of(cls, tokens, t0, cache, held, prefix_hit, loader, max_new: int, clipped: bool,
@@ -72,7 +73,8 @@ class TurnResult(DictReads):
                    list(cache.trace.events),
                    list(cache.trace.timeline), cache.nbytes(), cache.nbytes("anchor"), cache.nbytes("staged"),
                    getattr(loader, "cancelled", False), getattr(loader, "dropped", 0), getattr(loader, "placed", 0),
-                   None if error is None else str(error), reason, prefilled_on, cache.stats.width)
+                   None if error is None else str(error), reason, prefilled_on, cache.stats.width,
+                   None if cache.trace.logits_at is None else cache.trace.logits_at - t0)
 
 
 PLACES = ("auto", "prefill", "decode")

@@ -71,6 +71,7 @@ class Trace:
         self.events: list = []
         self.timeline: list = []
         self.residual_done_at: float | None = None  # perf_counter when the residual's last segment landed
+        self.logits_at: float | None = None  # perf_counter when the prefill's logits landed (the first token's inputs)
         self._res_n = 0
         self._res_first = self._res_last = 0.0
 

@@ -35,8 +35,14 @@ def test_codec_quality_json():
 
 
 def test_demo_two_processes(tmp_path):
-    r = _run("demo", "--json", "--tokens", "128", "--new-tokens", "6", "--bandwidth-mbps", "50", "--out", str(tmp_path))
-    assert r["lynx"]["identical_to_full"] is True
+    r = _run("demo", "--json", "--tokens", "128", "--new-tokens", "6", "--bandwidth-mbps", "50", "--out", str(tmp_path),
+             "--repeat", "2")
+    assert r["lynx"]["identical_to_full"] is True and r["rounds"] == 2 and r["identical"] == [True, True]
+    for k in ("ttft_lynx_int4", "ttft_lynx_int8", "tt32t_lynx_int8"):  # medians of the per-round paired ratios
+        assert r["ratios"][k]["min"] <= r["ratios"][k]["median"] <= r["ratios"][k]["max"], k
+    assert r["floor"]["tt32t_lynx_int8"] > 0 and r["at_floor"]["lynx_ttft"] > 0.95 and r["at_floor"]["lynx_tt32t"] > 0.95
+    rounds = json.loads((tmp_path / "demo.json").read_text())["per_round"]
+    assert [x["order"][0] for x in rounds] == ["BF16", "INT8"]  # rotated: each round starts one method later
     assert set(r["methods"]) == {"BF16", "INT8", "INT4 (KIVI-4)", "CacheGen", "Lynx", "Lynx (exact)",
                                  "Lynx (no drafts: full-tier reference)"}
     assert r["exact"]["identical_to_plain_generate"] is True  # exact mode = plain generate (here fp32)
@@ -44,7 +50,7 @@ def test_demo_two_processes(tmp_path):
     assert r["methods"]["BF16"]["bytes"] > r["methods"]["INT8"]["bytes"] > r["methods"]["INT4 (KIVI-4)"]["bytes"]
     assert r["methods"]["CacheGen"]["bytes"] < r["methods"]["INT4 (KIVI-4)"]["bytes"]
     assert r["methods"]["CacheGen"]["ttft_s"] > 0 and r["methods"]["CacheGen"]["tt32t_s"] > 0
-    assert (tmp_path / "demo.json").exists() and (tmp_path / "demo_timeline.png").stat().st_size > 10_000
+    assert (tmp_path / "demo_timeline.png").stat().st_size > 10_000 and (tmp_path / "demo_rounds.png").exists()
 
 
 def test_cli_errors_are_one_line():

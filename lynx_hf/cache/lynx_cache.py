@@ -168,6 +168,7 @@ class LynxCache(Cache):
             if self.prefill_logits is not None:
                 raise ValueError("duplicate prefill logits")
             self.prefill_logits = logits
+            self.trace.logits_at = time.perf_counter()
             self._changed.notify_all()
 
     def fail(self, exc: BaseException) -> None:

@@ -4,8 +4,10 @@ the link emulated at 15 Mbit/s), one ~1K-token prompt shipped as BF16, INT8, INT
 
 Times are seconds from the request's start: TTFT = the first token the decode engine produced (Lynx: the shadow's
 first draft; the baselines: their first verified token); first verified = R's first token; TT32T = the 32nd verified
-token (the prefill's first token counts). Prints a table, writes runs/vllm_demo.json and a PNG timeline, and with
---json ends with one JSON line."""
+token (the prefill's first token counts). `--repeat N`: N rounds on the same engines, every method once per round in
+an order rotated per round; figures are medians, ratios medians of per-round paired ratios, each beside its floor
+from the round's own events (`floors`). Prints a table, writes runs/vllm_demo.json (every round) and a PNG timeline,
+and with --json ends with one JSON line."""
 from __future__ import annotations
 
 import argparse
@@ -31,6 +33,14 @@ def _row(r, new_tokens: int) -> dict:
             "tt32t_s": None if r.tt(new_tokens) is None else round(r.tt(new_tokens), 4), "bytes": r.bytes,
             "anchor_at_s": r.anchor_at_s, "full_at_s": r.full_at_s, "drafted": r.drafted,
             "accepted": r.accepted, **r.extra}
+
+
+def _progress(it, n: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return it
+    return tqdm(it, total=n, desc="rounds", file=sys.stderr, disable=n == 1)
 
 
 def plot(runs: dict, path: Path, title: str) -> bool:
@@ -60,6 +70,80 @@ def plot(runs: dict, path: Path, title: str) -> bool:
     return True
 
 
+PAIRS = {"ttft_lynx_int4": ("Lynx", "INT4 (KIVI-4)", "ttft_s"), "ttft_lynx_int8": ("Lynx", "INT8", "ttft_s"),
+         "tt32t_lynx_int8": ("Lynx", "INT8", "tt32t_s")}
+
+
+def _passes(r) -> list[tuple[float, int]]:
+    """R's decode passes after the prefill's token: [(when, tokens)] (a pass's tokens share one time)."""
+    out: list[list] = []
+    for t in r.token_s[1:]:
+        if out and t == out[-1][0]:
+            out[-1][1] += 1
+        else:
+            out.append([t, 1])
+    return [(t, n) for t, n in out]
+
+
+def step_s(r) -> float | None:
+    """The median gap between consecutive one-token passes (a baseline's plain decoding)."""
+    ps = _passes(r)
+    gaps = [b[0] - a[0] for a, b in zip(ps, ps[1:]) if a[1] == 1 and b[1] == 1]
+    return sorted(gaps)[len(gaps) // 2] if gaps else None
+
+
+def floors(r, n: int, step: float, lynx: bool) -> dict:
+    """eval/floors.py's formulas on vLLM's events: TTFT ≥ (Lynx: the last anchor, the shadow's first token; a
+    baseline: its whole KV) + one step; TTnT ≥ the last segment + R's verify passes as measured (each from the pass
+    before it, or from the last segment) + one step per one-token pass still owed."""
+    start = r.anchor_at_s if lynx else r.full_at_s
+    out = {"ttft_s": None if start is None else start + step, "tt32t_s": None}
+    if r.full_at_s is None:
+        return out
+    t, done, prev = r.full_at_s, 1, r.full_at_s
+    for when, k in _passes(r):
+        if done >= n:
+            break
+        t += (when - prev) if k > 1 else step  # (one token per pass: what any decoding owes)
+        prev, done = when, done + k
+    out["tt32t_s"] = t + max(0, n - done) * step
+    return out
+
+
+def _round(pd, ids, new_tokens: int, sampling: dict, r: int, say) -> dict:
+    from lynx_hf.eval.floors import rotated
+
+    runs = {}
+    for name in rotated(list(METHODS), r):
+        say(f"  {name} ...")
+        runs[name] = pd.generate(ids, new_tokens, method=METHODS[name], **sampling)
+    say("  Lynx without drafts (the full-tier reference) ...")
+    ref = pd.generate(ids, new_tokens, method="lynx", drafts=False, **sampling)
+    rows = {k: _row(runs[k], new_tokens) for k in METHODS}
+    rows["Lynx"]["identical_to_full"] = runs["Lynx"].tokens == ref.tokens
+    steps = [s for s in (step_s(runs[k]) for k in METHODS if k != "Lynx") if s is not None]
+    step = sorted(steps)[len(steps) // 2] if steps else 0.0
+    fl = {k: floors(runs[k], min(32, new_tokens), step, k == "Lynx") for k in METHODS}
+    over = lambda m, f: m / f if m is not None and f else None  # noqa: E731
+    return {"runs": runs, "rows": rows, "order": list(runs), "step_s": step, "floors": fl,
+            "at_floor": {"lynx_ttft": over(rows["Lynx"]["ttft_s"], fl["Lynx"]["ttft_s"]),
+                         "lynx_tt32t": over(rows["Lynx"]["tt32t_s"], fl["Lynx"]["tt32t_s"])}}
+
+
+def _summary(rounds: list[dict]) -> dict:
+    from lynx_hf.eval.floors import paired, spread
+
+    return {"rounds": len(rounds),
+            "ratios": {k: paired([j["rows"] for j in rounds], a, b, f) for k, (a, b, f) in PAIRS.items()},
+            "floor": {k: (paired([j["floors"] for j in rounds], a, b, f) or {}).get("median")
+                      for k, (a, b, f) in PAIRS.items()},
+            "at_floor": {k: (spread([j["at_floor"][k] for j in rounds]) or {}).get("median")
+                         for k in ("lynx_ttft", "lynx_tt32t")},
+            "identical": [j["rows"]["Lynx"]["identical_to_full"] for j in rounds],
+            "spread": {n: {k: spread([j["rows"][n][k] for j in rounds]) for k in ("ttft_s", "tt32t_s")}
+                       for n in METHODS}}
+
+
 def main(argv=None) -> int:
     from ..flags import count, mbps, tokens
 
@@ -74,6 +158,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-file", help="a text file for the prompt (default: the standard library's source)")
     ap.add_argument("--out-dir", default="runs")
     ap.add_argument("--json", action="store_true", help="end with one JSON line")
+    ap.add_argument("--repeat", type=count(1000), default=1,
+                    help="rounds, every method once per round in a rotated order: medians, paired ratios, floors")
     a = ap.parse_args(argv)
     for name, v, lo in (("--tokens", a.tokens, 64), ("--new-tokens", a.new_tokens, 2),
                         ("--num-speculative-tokens", a.num_speculative_tokens, 1)):
@@ -94,32 +180,40 @@ def main(argv=None) -> int:
         ap.error(f"the prompt has {len(ids)} tokens, fewer than --tokens {a.tokens}")
     sampling = {"temperature": 0.7, "seed": 1234} if a.do_sample else {}
     say(f"starting a prefill and a decode vLLM engine ({a.model}); link {a.bandwidth_mbps:g} Mbit/s")
-    runs = {}
+    rounds = []
     with LynxPD(a.model, bandwidth_mbps=a.bandwidth_mbps or None, port=a.port,
                 num_speculative_tokens=a.num_speculative_tokens, draft_budget=a.new_tokens - 1) as pd:
         pd.generate(ids[:128], 4, method="lynx", **sampling)  # warm-up: first-request costs out of the rows
-        for name, method in METHODS.items():
-            say(f"  {name} ...")
-            runs[name] = pd.generate(ids, a.new_tokens, method=method, **sampling)
-        say("  Lynx without drafts (the full-tier reference) ...")
-        ref = pd.generate(ids, a.new_tokens, method="lynx", drafts=False, **sampling)
+        for r in _progress(range(a.repeat), a.repeat):
+            rounds.append(_round(pd, ids, a.new_tokens, sampling, r, say))
         version = pd.version
-    lynx = runs["Lynx"]
-    rows = {k: _row(r, a.new_tokens) for k, r in runs.items()}
-    rows["Lynx"]["identical_to_full"] = lynx.tokens == ref.tokens
-    say(f"\n{'method':<15}{'TTFT':>8}{'1st verified':>14}{'TT32T':>8}{'MB':>8}{'drafted':>9}{'accepted':>9}")
+    summ, last = _summary(rounds), rounds[-1]
+    runs, rows = last["runs"], last["rows"]
+    if a.repeat > 1:  # the table's figures: medians over the rounds (their ranges in the JSON)
+        for n in METHODS:
+            for k in ("ttft_s", "tt32t_s"):
+                rows[n][k] = (summ["spread"][n][k] or {}).get("median")
+        rows["Lynx"]["accepted"] = sorted(j["rows"]["Lynx"]["accepted"] for j in rounds)[a.repeat // 2]
+        rows["Lynx"]["identical_to_full"] = all(summ["identical"])
+    say(f"\n{'method':<15}{'TTFT':>8}{'1st verified':>14}{'TT32T':>8}{'MB':>8}{'drafted':>9}{'accepted':>9}"
+        + (f"   ({a.repeat} rounds: medians)" if a.repeat > 1 else ""))
     for k, r in rows.items():
         say(f"{k:<15}{r['ttft_s']:>8.2f}{r['ttft_verified_s']:>14.2f}{r['tt32t_s'] or float('nan'):>8.2f}"
             f"{r['bytes'] / 1e6:>8.2f}{r['drafted']:>9}{r['accepted']:>9}")
-    say(f"Lynx/INT4 TTFT {lynx.ttft_s / runs['INT4 (KIVI-4)'].ttft_s:.2f}, Lynx/INT8 TT32T "
-        f"{lynx.tt(a.new_tokens) / runs['INT8'].tt(a.new_tokens):.2f}; identical to full-tier decoding without "
-        f"drafts: {rows['Lynx']['identical_to_full']} (exact = equal to vLLM decoding the 8-bit full tier)")
+    R, F, A = summ["ratios"], summ["floor"], summ["at_floor"]
+    fmt = lambda x: "-" if x is None else f"{x['median']:.2f} [{x['min']:.2f}, {x['max']:.2f}]"  # noqa: E731
+    say(f"Lynx/INT4 TTFT {fmt(R['ttft_lynx_int4'])} (floor {F['ttft_lynx_int4']}), Lynx/INT8 TT32T "
+        f"{fmt(R['tt32t_lynx_int8'])} (floor {F['tt32t_lynx_int8']}); Lynx at its floor: TTFT {A['lynx_ttft']}, "
+        f"TT32T {A['lynx_tt32t']}; identical to full-tier decoding without drafts: {rows['Lynx']['identical_to_full']} "
+        f"(exact = equal to vLLM decoding the 8-bit full tier)")
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     body = {"methods": rows, "engine": f"vllm {version}", "prompt_tokens": len(ids), "new_tokens": a.new_tokens,
             "bandwidth_mbps": a.bandwidth_mbps, "num_speculative_tokens": a.num_speculative_tokens,
-            "sampling": sampling or "greedy"}
-    (out / "vllm_demo.json").write_text(json.dumps(body, indent=2) + "\n")
+            "sampling": sampling or "greedy", **{k: v for k, v in summ.items() if k != "spread"}}
+    per_round = [{k: j[k] for k in ("rows", "order", "step_s", "floors", "at_floor")} for j in rounds]
+    (out / "vllm_demo.json").write_text(json.dumps({**body, "spread": summ["spread"], "per_round": per_round},
+                                                   indent=2) + "\n")
     png = out / "vllm_demo.png"
     if plot(runs, png, f"Lynx in vLLM: a {len(ids)}-token prompt's KV over {a.bandwidth_mbps:g} Mbit/s, then "
                        f"{a.new_tokens} tokens"):
