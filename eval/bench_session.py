@@ -221,7 +221,7 @@ def _rounds(rounds: list[dict]) -> dict:
     fl = {k: paired(floors_, a, b, f) for k, (a, b, f) in RATIOS.items() if f == "ttft_s"}
     at = spread([row["lynx/delta"]["ttft_s"] / row["lynx/delta"]["ttft_floor_s"] for row in last
                  if row["lynx/delta"].get("ttft_floor_s")])
-    return {"rounds": len(rounds), "ratios": {**_ratios({k: [v] for k, v in last[-1].items()}), **ratios},
+    return {"rounds": len(rounds), "ratios": {**_ratios(rounds[-1]), **ratios},
             "floor": {k: v and v["median"] for k, v in fl.items()},
             "at_floor": {"lynx_delta_ttft": at and at["median"]},
             "identical": [all(t["identical"] is True for k, v in arms.items() if k.startswith("lynx/") for t in v)

@@ -134,7 +134,8 @@ def _judge(runs: dict, new_tokens: int, do_sample: bool, plain) -> dict:
     rows = {n: _row(r) for n, r in runs.items()}
     n = min(32, new_tokens)
     steps = [step_s(r["timeline"], r["t0"]) for k, r in runs.items() if not k.startswith("Lynx")]
-    step = statistics.median([s for s in steps if s is not None] or [0.0])
+    steps = [s for s in steps if s is not None]
+    step = statistics.median(steps) if steps else None  # (none measured: no TT32T floors this round)
     fl = {k: floors(r, n, step, split=r["cache"].quant_config.method in ("lynx", "paper")) for k, r in runs.items()}
     lynx = rows["Lynx"]
     return {"rows": rows, "order": list(runs), "step_s": step,
@@ -179,8 +180,8 @@ def _report(runs, judged, tok, say, bandwidth_bps, new_tokens, dtype, do_sample,
         f"link {bandwidth_bps / 1e6:.1f} Mbit/s; Lynx anchor {bits} bits" + _auto_note(width)
         + (f"; {N} rounds: medians [min, max]" if N > 1 else ""))
     say(f"{'method':40s} {'TTFT s':>18s} {'TT32T s':>18s} {'TT32T floor':>12s} {'MB':>7s} {'drafted/accepted':>17s}")
-    for n, r in rows.items():
-        m = summ["methods"][n]
+    for n in summ["methods"]:
+        r, m = rows[n], summ["methods"][n]
         fl = spread([j["floors"][n]["tt32t_s"] for j in judged])
         say(f"{n:40s} {_fmt(m['ttft_s']):>18s} {_fmt(m['tt32t_s']):>18s} {_fmt(fl):>12s} {r['bytes'] / 1e6:7.2f} "
             f"{r['drafted']:>8d}/{r['accepted']:<8g}")
@@ -197,11 +198,11 @@ def _report(runs, judged, tok, say, bandwidth_bps, new_tokens, dtype, do_sample,
         say(f"NOTE: the prefill ({runs['Lynx']['prefill_s']:.2f} s) took more than half as long as BF16's KV on the link "
             f"({link_s:.2f} s): this machine's compute, not the link, sets these TTFTs, and the ratios say little about "
             f"KV transfer (use a slower --bandwidth-mbps or a less busy machine)")
-    accepted = statistics.median([j["rows"]["Lynx"]["accepted"] for j in judged])
+    med = lambda k: statistics.median([j["rows"]["Lynx"][k] for j in judged])  # noqa: E731
     res = {"methods": {n: {**{k: (summ["methods"][n][k] or {}).get("median") for k in ("ttft_s", "ttft_verified_s",
                                                                                          "tt32t_s")},
-                           "bytes": rows[n]["bytes"]} for n in rows},
-           "lynx": {"drafted": rows["Lynx"]["drafted"], "accepted": accepted, "identical_to_full": same,
+                           "bytes": rows[n]["bytes"]} for n in summ["methods"]},  # (the plan's order)
+           "lynx": {"drafted": med("drafted"), "accepted": med("accepted"), "identical_to_full": same,
                     "verify_overlap_s": rows["Lynx"]["verify_overlap_s"], "anchor_bits": bits, "width": width},
            "exact": None if EXACT not in rows else {"identical_to_plain_generate": exact, "dtype": dtype,
                                                     "bytes_vs_bf16": rows[EXACT]["bytes"] / rows["BF16"]["bytes"]},

@@ -49,10 +49,13 @@ def last_arrival(events: list, t0: float, *streams: str) -> float | None:
     return max(ts) - t0 if ts else None
 
 
-def floors(run: dict, n: int, step: float, split: bool) -> dict:
-    """{"ttft", "ttnt"} floors of one request (None where its events lack what a formula needs). run: a
-    TurnResult (or its dict) with t0, events, timeline, logits_s; split: a two-tier codec (Lynx)."""
+def floors(run: dict, n: int, step: float | None, split: bool) -> dict:
+    """{"ttft", "ttnt"} floors of one request (None where its events, or the round's step (None: not measured),
+    lack what a formula needs). run: a TurnResult (or its dict) with t0, events, timeline, logits_s; split: a
+    two-tier codec (Lynx)."""
     t0, out = run["t0"], {"ttft": run.get("logits_s"), "ttnt": None}
+    if step is None:
+        return out
     if not split:
         kv = last_arrival(run["events"], t0, "anchor", "residual", "correction")
         out["ttnt"] = None if kv is None else kv + (n - 1) * step

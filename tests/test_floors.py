@@ -30,7 +30,7 @@ def test_a_one_stream_codec_owes_n_minus_one_steps_after_its_last_segment():
 def test_lynx_owes_the_verify_pass_after_the_residual_and_the_steps_its_drafts_did_not_cover():
     events = [(T0 + 2.0, "anchor", 1, "value"), (T0 + 5.0, "residual", 0, "key"), (T0 + 7.0, "residual", 1, "value")]
     # first token at 2.1 (logits), drafts, the verify pass starts at 6.8 (overlapping the last residual) and ends at
-    # 7.3 with 25 tokens (the first included: 24 drafts kept + 1), then 7 one-token steps
+    # 7.3 with 24 tokens (23 drafts kept + its own), 25 with the first, then 7 one-token steps
     marks = [(2.1, "verified"), (6.8, "verify_start")] + [(7.3, "verified")] * 24 + \
         [(7.3 + 0.1 * i, "verified") for i in range(1, 8)]
     run = {"t0": T0, "logits_s": 2.05, "events": events, "timeline": _timeline(*marks)}
@@ -47,6 +47,7 @@ def test_lynx_owes_the_verify_pass_after_the_residual_and_the_steps_its_drafts_d
     kept = dict(run, timeline=_timeline((2.1, "verified"), (6.8, "verify_start"), *[(7.3, "verified")] * 31))
     assert floors(kept, 32, 0.1, split=True)["ttnt"] == pytest.approx(7.3)
     assert floors(dict(run, events=events[:1]), 32, 0.1, split=True)["ttnt"] is None  # no residual: no floor
+    assert floors(run, 32, None, split=True) == {"ttft": 2.05, "ttnt": None}  # no step measured: no TT32T floor
 
 
 def test_rounds_are_medians_with_ranges_and_ratios_are_medians_of_paired_ratios():
@@ -77,3 +78,24 @@ def test_the_vllm_demos_floors_count_the_verify_passes_as_measured_and_owed_step
     assert f["ttft_s"] == pytest.approx(2.05) and f["tt32t_s"] == pytest.approx(7.0 + 0.4 + 0.2)
     short = PDResult([0] * 20, 0.5, 2.2, 7.4, [0.5] + [7.4] * 19, "stop", anchor_at_s=2.0, full_at_s=7.0)
     assert pd_floors(short, 32, 0.05, lynx=True)["tt32t_s"] == pytest.approx(7.4 + 12 * 0.05)  # 12 owed
+
+
+def test_the_session_benchs_rounds_judge_the_last_turn_and_every_turns_identity():
+    from lynx_hf.eval.bench_session import _rounds
+
+    def turn(ttft, tt32t, floor, identical=None):
+        return {"ttft_s": ttft, "tt32t_s": tt32t, "ttft_floor_s": floor, "wire_bytes": 100, "new_tokens": 10,
+                "total_tokens": 10, "identical": identical}
+
+    def arms(d, w, i4, i8, first_identical=True):
+        return {"lynx/delta": [turn(1, 1, 1, first_identical), turn(d, 4.0, d * 0.9, True)],
+                "lynx/whole": [turn(1, 1, 1, True), turn(w, 5.0, w, True)],
+                "int4/delta": [turn(1, 1, 1), turn(i4, 5.0, i4)], "int8/delta": [turn(1, 1, 1), turn(1, i8, 1)]}
+
+    out = _rounds([arms(1.0, 2.0, 1.0, 8.0), arms(2.0, 2.0, 1.0, 4.0), arms(1.5, 5.0, 2.0, 5.0, False)])
+    assert out["rounds"] == 3 and out["identical"] == [True, True, False]
+    assert out["ratios"]["delta_whole_ttft"] == {"median": 0.5, "min": 0.3, "max": 1.0}
+    assert out["ratios"]["lynx_int4_delta_ttft"]["median"] == 1.0
+    assert out["ratios"]["lynx_int8_delta_tt32t"] == {"median": 0.8, "min": 0.5, "max": 1.0}
+    assert out["floor"]["delta_whole_ttft"] == pytest.approx(0.45) and out["at_floor"]["lynx_delta_ttft"] == pytest.approx(1 / 0.9)
+    assert out["ratios"]["lynx_identical"] is False  # the last round's every turn, not its last turn alone

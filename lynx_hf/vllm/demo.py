@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -30,7 +31,8 @@ def default_prompt_text() -> str:
 
 def _row(r, new_tokens: int) -> dict:
     return {"ttft_s": round(r.ttft_s, 4), "ttft_verified_s": round(r.ttft_verified_s, 4),
-            "tt32t_s": None if r.tt(new_tokens) is None else round(r.tt(new_tokens), 4), "bytes": r.bytes,
+            "tt32t_s": None if r.tt(min(32, new_tokens)) is None else round(r.tt(min(32, new_tokens)), 4),
+            "bytes": r.bytes,
             "anchor_at_s": r.anchor_at_s, "full_at_s": r.full_at_s, "drafted": r.drafted,
             "accepted": r.accepted, **r.extra}
 
@@ -92,13 +94,13 @@ def step_s(r) -> float | None:
     return sorted(gaps)[len(gaps) // 2] if gaps else None
 
 
-def floors(r, n: int, step: float, lynx: bool) -> dict:
+def floors(r, n: int, step: float | None, lynx: bool) -> dict:
     """eval/floors.py's formulas on vLLM's events: TTFT ≥ (Lynx: the last anchor, the shadow's first token; a
     baseline: its whole KV) + one step; TTnT ≥ the last segment + R's verify passes as measured (each from the pass
     before it, or from the last segment) + one step per one-token pass still owed."""
     start = r.anchor_at_s if lynx else r.full_at_s
-    out = {"ttft_s": None if start is None else start + step, "tt32t_s": None}
-    if r.full_at_s is None:
+    out = {"ttft_s": None if start is None or step is None else start + step, "tt32t_s": None}
+    if r.full_at_s is None or step is None:
         return out
     t, done, prev = r.full_at_s, 1, r.full_at_s
     for when, k in _passes(r):
@@ -121,8 +123,8 @@ def _round(pd, ids, new_tokens: int, sampling: dict, r: int, say) -> dict:
     ref = pd.generate(ids, new_tokens, method="lynx", drafts=False, **sampling)
     rows = {k: _row(runs[k], new_tokens) for k in METHODS}
     rows["Lynx"]["identical_to_full"] = runs["Lynx"].tokens == ref.tokens
-    steps = [s for s in (step_s(runs[k]) for k in METHODS if k != "Lynx") if s is not None]
-    step = sorted(steps)[len(steps) // 2] if steps else 0.0
+    steps = sorted(s for s in (step_s(runs[k]) for k in METHODS if k != "Lynx") if s is not None)
+    step = steps[len(steps) // 2] if steps else None  # (none measured: no floors this round)
     fl = {k: floors(runs[k], min(32, new_tokens), step, k == "Lynx") for k in METHODS}
     over = lambda m, f: m / f if m is not None and f else None  # noqa: E731
     return {"runs": runs, "rows": rows, "order": list(runs), "step_s": step, "floors": fl,
@@ -193,7 +195,8 @@ def main(argv=None) -> int:
         for n in METHODS:
             for k in ("ttft_s", "tt32t_s"):
                 rows[n][k] = (summ["spread"][n][k] or {}).get("median")
-        rows["Lynx"]["accepted"] = sorted(j["rows"]["Lynx"]["accepted"] for j in rounds)[a.repeat // 2]
+        for k in ("accepted", "drafted"):
+            rows["Lynx"][k] = statistics.median(j["rows"]["Lynx"][k] for j in rounds)
         rows["Lynx"]["identical_to_full"] = all(summ["identical"])
     say(f"\n{'method':<15}{'TTFT':>8}{'1st verified':>14}{'TT32T':>8}{'MB':>8}{'drafted':>9}{'accepted':>9}"
         + (f"   ({a.repeat} rounds: medians)" if a.repeat > 1 else ""))
