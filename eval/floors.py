@@ -39,8 +39,12 @@ def passes(timeline: list, t0: float) -> list[tuple[float, int]]:
 
 def step_s(timeline: list, t0: float) -> float | None:
     """The median gap between consecutive one-token passes after the first token (None: fewer than two)."""
-    ps = passes(timeline, t0)
-    gaps = [b[0] - a[0] for a, b in zip(ps[1:], ps[2:]) if a[1] == 1 and b[1] == 1]
+    return median_step(passes(timeline, t0)[1:])
+
+
+def median_step(ps: list[tuple[float, int]]) -> float | None:
+    """The median gap between consecutive one-token passes of `ps` (None: no such pair)."""
+    gaps = [b[0] - a[0] for a, b in zip(ps, ps[1:]) if a[1] == 1 and b[1] == 1]
     return statistics.median(gaps) if gaps else None
 
 

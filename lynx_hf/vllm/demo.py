@@ -17,6 +17,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from ..eval.floors import median_step, paired, passes, rotated, spread
+
 METHODS = {"BF16": "bf16", "INT8": "int8", "INT4 (KIVI-4)": "kivi4", "Lynx": "lynx"}
 
 
@@ -78,20 +80,12 @@ PAIRS = {"ttft_lynx_int4": ("Lynx", "INT4 (KIVI-4)", "ttft_s"), "ttft_lynx_int8"
 
 def _passes(r) -> list[tuple[float, int]]:
     """R's decode passes after the prefill's token: [(when, tokens)] (a pass's tokens share one time)."""
-    out: list[list] = []
-    for t in r.token_s[1:]:
-        if out and t == out[-1][0]:
-            out[-1][1] += 1
-        else:
-            out.append([t, 1])
-    return [(t, n) for t, n in out]
+    return passes([(t, "verified") for t in r.token_s[1:]], 0.0)
 
 
 def step_s(r) -> float | None:
     """The median gap between consecutive one-token passes (a baseline's plain decoding)."""
-    ps = _passes(r)
-    gaps = [b[0] - a[0] for a, b in zip(ps, ps[1:]) if a[1] == 1 and b[1] == 1]
-    return sorted(gaps)[len(gaps) // 2] if gaps else None
+    return median_step(_passes(r))
 
 
 def floors(r, n: int, step: float | None, lynx: bool) -> dict:
@@ -113,8 +107,6 @@ def floors(r, n: int, step: float | None, lynx: bool) -> dict:
 
 
 def _round(pd, ids, new_tokens: int, sampling: dict, r: int, say) -> dict:
-    from lynx_hf.eval.floors import rotated
-
     runs = {}
     for name in rotated(list(METHODS), r):
         say(f"  {name} ...")
@@ -133,8 +125,6 @@ def _round(pd, ids, new_tokens: int, sampling: dict, r: int, say) -> dict:
 
 
 def _summary(rounds: list[dict]) -> dict:
-    from lynx_hf.eval.floors import paired, spread
-
     return {"rounds": len(rounds),
             "ratios": {k: paired([j["rows"] for j in rounds], a, b, f) for k, (a, b, f) in PAIRS.items()},
             "floor": {k: (paired([j["floors"] for j in rounds], a, b, f) or {}).get("median")

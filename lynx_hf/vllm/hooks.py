@@ -9,8 +9,8 @@ picks. On the decode instance a transfer feeds at most one *real* request R (tie
 A transfer's *members* are its requests that hold blocks; it is *live* on the decode side from R's first
 allocation until R and every member finished, and the decode side holds its codes (the *held copy*) that long, so
 a preempted R reloads exactly the same KV. Its *key* is the digest of the members' first P + 1 tokens (prompt +
-first token): how the proposer tells its rows apart; a live request outside it whose prompt starts with those
-tokens is a *rival*, and a transfer with a rival gets no drafts (rows are matched by content, see proposer.py).
+first token): how the proposer tells its rows apart; a live request outside it whose prompt starts with the
+transfer's P prompt tokens is a *rival*, and a transfer with a rival gets no drafts (rows are matched by content, see proposer.py).
 
 Admission, the rule that keeps KV pressure from deadlocking (docs/vllm.md, "Under traffic"): a waiting load never
 depends on another request's blocks — R's load waits only for its stream, a shadow's for its own stream's anchors
@@ -273,12 +273,15 @@ class SchedulerSide:
                 if waited > self.timeout_s else WAIT
         if req_id in x.preempted:
             return "a preempted shadow is not reloaded (it only drafts; its real request goes on)"
+        if x.r_state != "loading":
+            return "its real request has its KV already: its drafts would come too late"
+        if self._pressure:
+            return WAIT
+        # (hashed once, when it would be admitted: a shadow waiting out pressure is matched every pass)
         if (p["prompt_len"], p["method"]) != (x.P, x.method) or token_digest(prompt_ids[:x.P + 1]) != x.key:
             return (f"its prompt_len, method or first {x.P + 1} tokens differ from its transfer's real request "
                     f"({x.P}, {x.method!r})")
-        if x.r_state != "loading":
-            return "its real request has its KV already: its drafts would come too late"
-        return WAIT if self._pressure else None
+        return None
 
     def _note(self, req_id: str, prompt_ids, claims: str | None) -> None:
         """A request seen: a rival of every live transfer whose key its prompt starts with (unless it claims it)."""
