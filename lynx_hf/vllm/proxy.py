@@ -20,10 +20,22 @@ import time
 
 from aiohttp import ClientSession, ClientTimeout, web
 
+from .fixes import topk_only_broken, topk_only_refusal
 from .pd import shadow_seed
 
 PASS = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "repetition_penalty",
-        "presence_penalty", "frequency_penalty", "min_tokens")
+        "presence_penalty", "frequency_penalty", "min_tokens", "return_tokens_as_token_ids")
+
+
+def _topk_only(sampling: dict) -> str | None:
+    """fixes.topk_only_refusal for a request's sampling fields (absent or null: vLLM's defaults; the decode instance
+    refuses such a request too, saying why in its log, where the client would hear only that its transfer failed)."""
+    get = lambda k, d: d if sampling.get(k) is None else sampling[k]  # noqa: E731
+    try:
+        return topk_only_refusal(float(get("temperature", 1.0)), int(get("top_k", 0)), float(get("top_p", 1.0)),
+                                 1 << 62)
+    except (TypeError, ValueError):
+        return None  # (vLLM answers a malformed field itself)
 
 
 class Upstream(Exception):
@@ -38,6 +50,7 @@ class Proxy:
         self.kv_host, self.kv_port, self.method, self.budget = kv_host, kv_port, method, draft_budget
         self.timeout = ClientTimeout(total=timeout_s)
         self.http: ClientSession | None = None
+        self.topk_broken = False  # vLLM's top-k-only defect here (fixes.py), probed when the app starts
 
     async def _post(self, url: str, body: dict) -> dict:
         async with self.http.post(url, json=body) as r:
@@ -84,6 +97,9 @@ class Proxy:
             raise web.HTTPBadRequest(text="logprobs through the proxy: an int in [0, 20], on /v1/completions only")
         if logprobs is not None:
             sampling["logprobs"] = logprobs
+        why = self.topk_broken and _topk_only(sampling)
+        if why:
+            raise web.HTTPBadRequest(text=why)
         ids = await self._ids(body, chat)
         xfer = secrets.token_hex(8)
         first = await self._post(f"{self.prefill}/v1/completions", {
@@ -128,11 +144,7 @@ class Proxy:
             if r.status != 200:
                 await send({"error": {"message": f"decode instance answered {r.status}: {(await r.text())[:300]}"}})
             else:
-                async for line in r.content:
-                    line = line.strip()
-                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                        continue
-                    c = json.loads(line[6:])
+                async for c in sse(r.content):
                     if "error" in c:
                         await send(c)
                         break
@@ -142,6 +154,16 @@ class Proxy:
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
         return out
+
+
+async def sse(content):
+    """An OpenAI-style event stream (an aiohttp response's `content`) → its JSON events, up to `data: [DONE]`."""
+    async for line in content:
+        line = line.strip()
+        if line == b"data: [DONE]":
+            return
+        if line.startswith(b"data: "):
+            yield json.loads(line[6:])
 
 
 def _joined(first: dict | None, rest: dict | None, offset: int) -> dict | None:
@@ -181,6 +203,7 @@ def _whole(chat: bool, model, text: str, finish, prompt_tokens: int, completion_
 def app(proxy: Proxy) -> web.Application:
     async def start(_):
         proxy.http = ClientSession(timeout=proxy.timeout)
+        proxy.topk_broken = topk_only_broken()  # the proxy runs beside the engines, from their environment
 
     async def stop(_):
         await proxy.http.close()

@@ -27,6 +27,19 @@ from .stream import KVPublisher, KVSpec, Subscription, encode_layer
 log = logging.getLogger("lynx_hf.vllm")
 
 
+def choose_layout(backends, kv_cache_layout: str) -> paged.Layout:
+    """The paged KV layout of an engine whose attention layers run `backends` (vLLM's backend names) under vLLM's
+    resolved `kv_cache_layout` (a KVCacheLayout name) → paged.Layout, or a RuntimeError in one line."""
+    names = sorted(set(backends))
+    if len(names) != 1:
+        raise RuntimeError(f"LynxConnector reads one attention backend's paged KV; this engine runs {names or 'none'}"
+                           f" (supported: {paged.supported()})")
+    try:
+        return paged.Layout(names[0], kv_cache_layout)
+    except ValueError as e:
+        raise RuntimeError(f"LynxConnector: {e}") from None
+
+
 @dataclass
 class _Load:
     meta: LoadMeta
@@ -42,7 +55,9 @@ class WorkerSide:
         self.base, self.secret, self.fp, self.publisher, self.timeout_s = base_config, secret, fingerprint, \
             publisher, timeout_s
         self.upgrade_shadows, self.drain_s, self.clock = upgrade_shadows, drain_ms / 1e3, clock
-        self.layers: list = []  # per layer, its paged KV tensor [NB, H, bs, 2D]
+        self.layers: list = []  # per layer, its paged KV tensor [NB, H, bs, 2D] as vLLM registered it
+        self.paged: list[paged.PagedLayer] = []  # the same, bound to its layout
+        self.layout = paged.CPU
         self.index: dict[str, int] = {}
         self.kv_heads = self.head_dim = 0
         self.dtype = ""
@@ -54,14 +69,22 @@ class WorkerSide:
         self._unsaved: set[str] = set()
         self.drafting: dict[str, tuple] = {}   # xfer -> (P, key, rows), the latest step's (StepMeta.drafts)
 
-    def register(self, kv_caches: dict) -> None:
-        """kv_caches: layer name → [NB, H, bs, 2D] (in the model's layer order)."""
+    def register(self, kv_caches: dict, layout: paged.Layout = paged.CPU) -> None:
+        """kv_caches: layer name → its paged KV [NB, H, bs, 2D] (in the model's layer order), laid out as `layout`
+        (choose_layout); a ValueError naming the layer for a tensor that is not."""
+        bound = []
         for name, t in kv_caches.items():
-            paged.kv_views(t)  # the layout paged.py reads, or a ValueError naming what it got
+            try:
+                bound.append(paged.PagedLayer(t, layout))
+            except ValueError as e:
+                raise ValueError(f"layer {name!r}: {e}") from None
+        shapes = {(b.kv_heads, b.head_dim, b.cache.dtype) for b in bound}
+        if len(shapes) > 1:
+            raise ValueError(f"the layers' paged KV differ in (KV heads, head size, dtype): {sorted(map(str, shapes))}")
+        self.layout, self.paged = layout, bound
         self.index = {name: i for i, name in enumerate(kv_caches)}
         self.layers = list(kv_caches.values())
-        _, self.kv_heads, _, d2 = self.layers[0].shape
-        self.head_dim = d2 // 2
+        self.kv_heads, self.head_dim = bound[0].kv_heads, bound[0].head_dim
         self.dtype = str(self.layers[0].dtype).replace("torch.", "")
 
     def spec(self, prompt_len: int) -> KVSpec:
@@ -111,7 +134,7 @@ class WorkerSide:
                 config = codec_config(self.base, s.method)  # (validated by the scheduler side already)
                 if i == 0:
                     self.publisher.begin(s.xfer, config, self.spec(s.prompt_len), s.digest)
-                k, v = paged.gather(layer_cache, s.block_ids, s.prompt_len)
+                k, v = paged.gather(self.paged[i], s.block_ids, s.prompt_len)  # (the tensor vLLM registered)
                 self.publisher.add(s.xfer, encode_layer(config, i, len(self.layers), k, v))
             except (ValueError, RuntimeError) as e:  # one transfer fails, never the forward
                 self._unsaved.add(s.xfer)  # (one that began: its subscriber hears "unknown" or the stream's end)
@@ -160,7 +183,7 @@ class WorkerSide:
                 lo = max(start, ld.meta.start)  # below `start`: the local prefix hit, never written
                 try:
                     if lo < start + x.shape[2]:
-                        paged.scatter(self.layers[layer], ld.meta.block_ids, lo, kind, x[:, :, lo - start:])
+                        paged.scatter(self.paged[layer], ld.meta.block_ids, lo, kind, x[:, :, lo - start:])
                 except ValueError as e:  # (the scheduler side's checks make this unreachable): this load fails alone
                     ld.meta.error = f"transfer {ld.meta.xfer!r}: {e}"
                     break
