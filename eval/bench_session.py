@@ -24,6 +24,7 @@ from __future__ import annotations
 import inspect
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,7 +34,7 @@ from tqdm import tqdm
 import lynx_hf
 from lynx_hf import LynxQuantConfig, SpecConfig
 
-from .floors import paired, rotated, spread
+from .floors import paired, rotated, second_token_data, spread, step_s
 from .harness import final_line, prefill_child, printer, pyplot, save_figure, save_plot
 
 OUT = "runs/bench_session"
@@ -113,7 +114,9 @@ def _turn_row(r: dict, turn: int, ids: list[int], identical, bandwidth_bps: floa
             len(ids) - (r.get("prefix_hit") or 0), "prefill_s": r["prefill_s"],  # (computed where it was placed)
             "drafted": r["stats"]["drafted"], "accepted": r["stats"]["accepted"], "identical": identical,
             "prefilled_on": r.get("prefilled_on", "prefill"),
-            "ttft_floor_s": r.get("logits_s"), "link_s": r["bytes"] * 8 / bandwidth_bps}
+            "ttft_floor_s": r.get("logits_s"), "link_s": r["bytes"] * 8 / bandwidth_bps,
+            "decode_start_s": r["decode_start_s"], "decode_start_data_s": second_token_data(r),
+            "step_s": step_s(r["timeline"], r["t0"])}
 
 
 def no_draft_reference(model, cache, ids: list[int], tokens: list[int]) -> list[int]:
@@ -161,7 +164,8 @@ def run(turns: int = 4, bandwidth_mbps: float = 15.0, new_tokens: int = 32, pref
     if repeat > 1:
         say(f"{repeat} rounds, at the last turn: " + ", ".join(
             f"{k} {v['median']:.2f} [{v['min']:.2f}, {v['max']:.2f}]" for k, v in res["ratios"].items()
-            if isinstance(v, dict)) + f"; Lynx delta TTFT at its floor {res['at_floor']['lynx_delta_ttft']}")
+            if isinstance(v, dict)) + f"; Lynx delta at its floor: TTFT {res['at_floor']['lynx_delta_ttft']}, "
+            f"decode start {res['at_floor']['lynx_delta_decode_start']}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_session.json").write_text(json.dumps({**res, "per_round": rounds}, indent=2))
@@ -209,21 +213,37 @@ def _round(cli, model, tok, plan, turns, seed, new_tokens, bandwidth_mbps, r, ba
 
 RATIOS = {"delta_whole_ttft": ("lynx/delta", "lynx/whole", "ttft_s"),
           "lynx_int4_delta_ttft": ("lynx/delta", "int4/delta", "ttft_s"),
-          "lynx_int8_delta_tt32t": ("lynx/delta", "int8/delta", "tt32t_s")}
+          "lynx_int8_delta_tt32t": ("lynx/delta", "int8/delta", "tt32t_s"),
+          "delta_whole_decode_start": ("lynx/delta", "lynx/whole", "decode_start_s"),
+          "lynx_int4_delta_decode_start": ("lynx/delta", "int4/delta", "decode_start_s"),
+          "lynx_int8_delta_decode_start": ("lynx/delta", "int8/delta", "decode_start_s")}
+FLOORED = ("ttft_s", "decode_start_s")  # the figures with a floor here (eval/floors.py)
+
+
+def _floors(row: dict) -> dict:
+    """The last turn's floors by arm: TTFT = the logits' arrival; decode start = the second token's data + the
+    turn's step (the median over the one-stream arms' one-token steps: Lynx's drafts leave few of their own)."""
+    steps = [t["step_s"] for k, t in row.items() if not k.startswith("lynx/") and t.get("step_s") is not None]
+    step = statistics.median(steps) if steps else None
+    return {k: {"ttft_s": t["ttft_floor_s"],
+                "decode_start_s": None if step is None or t.get("decode_start_data_s") is None
+                else t["decode_start_data_s"] + step} for k, t in row.items()}
 
 
 def _rounds(rounds: list[dict]) -> dict:
-    """At the last turn: `ratios` (medians of per-round paired ratios, [min, max]), `floor` (the TTFT ratios'
-    floors), `at_floor` (Lynx delta TTFT ÷ its floor, median); `rounds`; every round's identical flag."""
+    """At the last turn: `ratios` (medians of per-round paired ratios, [min, max]), `floor` (the TTFT and decode
+    start ratios' floors), `at_floor` (Lynx delta TTFT and decode start ÷ their floors, medians); `rounds`; every
+    round's identical flag."""
     last = [{k: v[-1] for k, v in arms.items()} for arms in rounds]
-    floors_ = [{k: {"ttft_s": t["ttft_floor_s"]} for k, t in row.items()} for row in last]
+    floors_ = [_floors(row) for row in last]
     ratios = {k: paired(last, a, b, f) for k, (a, b, f) in RATIOS.items()}
-    fl = {k: paired(floors_, a, b, f) for k, (a, b, f) in RATIOS.items() if f == "ttft_s"}
-    at = spread([row["lynx/delta"]["ttft_s"] / row["lynx/delta"]["ttft_floor_s"] for row in last
-                 if row["lynx/delta"].get("ttft_floor_s")])
+    fl = {k: paired(floors_, a, b, f) for k, (a, b, f) in RATIOS.items() if f in FLOORED}
+    at = {f"lynx_delta_{f[:-2]}": spread([row["lynx/delta"][f] / fl_["lynx/delta"][f] for row, fl_ in zip(last, floors_)
+                                          if row["lynx/delta"].get(f) is not None and fl_["lynx/delta"][f]])
+          for f in FLOORED}
     return {"rounds": len(rounds), "ratios": {**_ratios(rounds[-1]), **ratios},
             "floor": {k: v and v["median"] for k, v in fl.items()},
-            "at_floor": {"lynx_delta_ttft": at and at["median"]},
+            "at_floor": {k: v and v["median"] for k, v in at.items()},
             "identical": [all(t["identical"] is True for k, v in arms.items() if k.startswith("lynx/") for t in v)
                           for arms in rounds]}
 
@@ -249,14 +269,15 @@ def markdown(res: dict, cmd: str) -> list[str]:
              "`generate` (the first turn's KV bit for bit with its correction stream — the embedded model runs in fp32 "
              "here, whose correction takes ~20 bits a value: docs/codec.md —, later turns computed on the decode node "
              f"over the held KV, as exact mode does). Last turn ({res['turns']}):", "",
-             "| arm | tokens | shipped | computed | TTFT s | TT32T s | MB (anchor + residual) | drafts kept |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| arm | tokens | shipped | computed | TTFT s | decode start s | TT32T s | MB (anchor + residual) | drafts kept |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, rows in arms.items():
         r = rows[-1]
         mb = (f"{r['anchor_bytes'] / 1e6:.2f} + {r['residual_bytes'] / 1e6:.2f}" if r["residual_bytes"]
               else f"{r['wire_bytes'] / 1e6:.2f}")
         lines.append(f"| {name} | {r['total_tokens']} | {r['new_tokens']} | {r['prefill_tokens']} | {r['ttft_s']:.2f} | "
-                     f"{r['tt32t_s']:.2f} | {mb} | {r['accepted'] if r['drafted'] else '–'} |")
+                     f"{_num(r['decode_start_s'])} | {r['tt32t_s']:.2f} | {mb} | "
+                     f"{r['accepted'] if r['drafted'] else '–'} |")
     if rat:
         lines += ["", f"Lynx delta TTFT {rat['lynx_delta_vs_whole_ttft']:.2f}× its whole-history TTFT and "
                   f"{rat['lynx_vs_int4_delta_ttft']:.2f}× INT4 delta's; TT32T {rat['lynx_vs_int8_delta_tt32t']:.2f}× "
@@ -273,7 +294,32 @@ def markdown(res: dict, cmd: str) -> list[str]:
                                                                             next(iter(arms.values()))) + " |",
               "|---|" + "---:|" * len(next(iter(arms.values())))]
     lines += [f"| {name} | " + " | ".join(f"{r['ttft_s']:.2f}" for r in rows) + " |" for name, rows in arms.items()]
-    return lines + [""]
+    lines += ["", "Decode start (the second token, the first that needs the turn's KV) per turn and arm:", "",
+              "| arm | " + " | ".join(f"turn {r['turn']}" for r in next(iter(arms.values()))) + " |",
+              "|---|" + "---:|" * len(next(iter(arms.values())))]
+    lines += [f"| {name} | " + " | ".join(_num(r["decode_start_s"]) for r in rows) + " |" for name, rows in arms.items()]
+    return lines + _rounds_lines(res) + [""]
+
+
+def _num(x) -> str:
+    return "–" if x is None else f"{x:.2f}"
+
+
+def _rounds_lines(res: dict) -> list[str]:
+    """With --repeat: the medians of the last turn's paired ratios, [min, max], beside their floors."""
+    if res.get("rounds", 1) < 2:
+        return []
+    fl, at = res["floor"], res["at_floor"]
+    out = ["", f"Over {res['rounds']} rounds (the arms' order rotated per round), the last turn's paired ratios, medians "
+               "[min, max] (floor: the same ratio of the arms' floors, eval/floors.py):", ""]
+    for k in RATIOS:
+        v = res["ratios"].get(k)
+        if v:
+            f = fl.get(k)
+            out.append(f"- {k}: {v['median']:.2f} [{v['min']:.2f}, {v['max']:.2f}]"
+                       + ("" if f is None else f" (floor {f:.2f})"))
+    return out + [f"- Lynx delta at its floor: TTFT {_num(at.get('lynx_delta_ttft'))}, decode start "
+                  f"{_num(at.get('lynx_delta_decode_start'))}"]
 
 
 def _placed(arms: dict) -> str:

@@ -6,8 +6,10 @@ reference). "Identical" says what each Lynx row equals: the default Lynx its 8-b
 Lynx (exact) plain `generate` on the model in its dtype (`--dtype`; the prefill process runs the same one).
 CacheGen's encoding runs on the prefill side and its decoding on the decode side, both inside its TTFT. TTFT is
 measured from sending the request (its arrival at the prefill process, on loopback) to the first token the decode process
-emits: the prefill's logits (sent right after the last anchor frame) picked through the decode side's options, so it
-is verified at once; TT32T to 32 verified tokens. `--repeat N`: N rounds on the same model and prefill process,
+emits: the prefill's logits (sent ahead of every KV frame still queued) picked through the decode side's options,
+so it is verified at once and is the prefill's plus one frame for every method; decode start to the second token,
+the first that needs the KV (a draft on the anchor, or a verified one): the figure the codec moves; TT32T to 32
+verified tokens. `--repeat N`: N rounds on the same model and prefill process,
 every method once per round in an order rotated per round; each figure the median with [min, max], each ratio the
 median of the per-round paired ratios, each beside its floor from the same round's events (eval/floors.py). Prints
 a table, writes JSON (every round) + a PNG timeline (+ a PNG of the rounds), and ends with one JSON line."""
@@ -31,6 +33,7 @@ from .harness import METHODS, default_prompt_text, final_line, prefill_child, pr
 
 
 EXACT = "Lynx (exact)"
+FIGURES = ("ttft_s", "ttft_verified_s", "decode_start_s", "tt32t_s")  # each method's, as medians over the rounds
 
 
 def _row(r: dict) -> dict:
@@ -39,7 +42,7 @@ def _row(r: dict) -> dict:
     last_res = max((t for t, what, *_ in r["events"] if what == "residual"), default=None)
     vstart = [t for t, k in r["timeline"] if k == "verify_start"]
     overlap = last_res - vstart[0] if vstart and last_res is not None else None
-    return {**{k: r[k] for k in ("ttft_s", "ttft_verified_s", "tt32t_s", "bytes")},
+    return {**{k: r[k] for k in ("ttft_s", "ttft_verified_s", "decode_start_s", "tt32t_s", "bytes")},
             **{k: st.get(k) for k in ("drafted", "accepted", "tree_nodes", "anchors_at_s", "residual_at_s", "verify_s",
                                          "draft_stop")},
             "verify_overlap_s": overlap}
@@ -85,7 +88,10 @@ def plot_timeline(runs: dict, path: Path, bandwidth_bps: float, prompt_tokens: i
 
 REF = "Lynx (no drafts: full-tier reference)"
 PAIRS = {"ttft_lynx_int4": ("Lynx", "INT4 (KIVI-4)", "ttft_s"), "ttft_lynx_int8": ("Lynx", "INT8", "ttft_s"),
-         "tt32t_lynx_int8": ("Lynx", "INT8", "tt32t_s")}  # the --json "ratios" (and their "floor")
+         "tt32t_lynx_int8": ("Lynx", "INT8", "tt32t_s"),
+         "decode_start_lynx_int4": ("Lynx", "INT4 (KIVI-4)", "decode_start_s"),
+         "decode_start_lynx_int8": ("Lynx", "INT8", "decode_start_s")}  # the --json "ratios" (and their "floor")
+AT_FLOOR = {"lynx_ttft": "ttft_s", "lynx_decode_start": "decode_start_s", "lynx_tt32t": "tt32t_s"}
 
 
 def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_json=False, out_dir="runs",
@@ -139,11 +145,14 @@ def _judge(runs: dict, new_tokens: int, do_sample: bool, plain) -> dict:
     fl = {k: floors(r, n, step, split=r["cache"].quant_config.method in ("lynx", "paper")) for k, r in runs.items()}
     lynx = rows["Lynx"]
     return {"rows": rows, "order": list(runs), "step_s": step,
-            "floors": {k: {"ttft_s": f["ttft"], "tt32t_s": f["ttnt"]} for k, f in fl.items()},
+            "floors": {k: {"ttft_s": f["ttft"], "decode_start_s": f["decode_start"], "tt32t_s": f["ttnt"]}
+                       for k, f in fl.items()},
             "identical": runs["Lynx"]["tokens"] == runs[REF]["tokens"] if not do_sample else None,
             "exact": None if plain is None or EXACT not in runs else runs[EXACT]["tokens"] == plain,
-            "at_floor": {"lynx_ttft": _over(lynx["ttft_s"], fl["Lynx"]["ttft"]),
-                         "lynx_tt32t": _over(lynx["tt32t_s"], fl["Lynx"]["ttnt"])}}
+            "at_floor": {k: _over(lynx[f], fl["Lynx"][FLOOR_OF[f]]) for k, f in AT_FLOOR.items()}}
+
+
+FLOOR_OF = {"ttft_s": "ttft", "decode_start_s": "decode_start", "tt32t_s": "ttnt"}  # a figure's in floors()
 
 
 def _over(measured, floor):
@@ -153,12 +162,11 @@ def _over(measured, floor):
 def _summary(judged: list[dict]) -> dict:
     """Medians over the rounds: each method's figures, the paired ratios, the ratio floors, at_floor."""
     names = judged[0]["rows"]
-    methods = {n: {k: spread([j["rows"][n][k] for j in judged]) for k in ("ttft_s", "ttft_verified_s", "tt32t_s")}
-               for n in names}
+    methods = {n: {k: spread([j["rows"][n][k] for j in judged]) for k in FIGURES} for n in names}
     ratios = {k: paired([j["rows"] for j in judged], a, b, f) for k, (a, b, f) in PAIRS.items()}
     floor = {k: paired([j["floors"] for j in judged], a, b, f) for k, (a, b, f) in PAIRS.items()
              if k != "ttft_lynx_int8"}
-    at = {k: spread([j["at_floor"][k] for j in judged]) for k in ("lynx_ttft", "lynx_tt32t")}
+    at = {k: spread([j["at_floor"][k] for j in judged]) for k in AT_FLOOR}
     return {"methods": methods, "ratios": ratios, "floor": floor, "at_floor": at}
 
 
@@ -179,17 +187,20 @@ def _report(runs, judged, tok, say, bandwidth_bps, new_tokens, dtype, do_sample,
     say(f"\nprompt {len(ids)} tokens; prefill {runs['Lynx']['prefill_s']:.2f} s (overlapped with sending); "
         f"link {bandwidth_bps / 1e6:.1f} Mbit/s; Lynx anchor {bits} bits" + _auto_note(width)
         + (f"; {N} rounds: medians [min, max]" if N > 1 else ""))
-    say(f"{'method':40s} {'TTFT s':>18s} {'TT32T s':>18s} {'TT32T floor':>12s} {'MB':>7s} {'drafted/accepted':>17s}")
+    say(f"{'method':40s} {'TTFT s':>18s} {'decode start s':>18s} {'TT32T s':>18s} {'TT32T floor':>12s} {'MB':>7s} "
+        f"{'drafted/accepted':>17s}")
     for n in summ["methods"]:
         r, m = rows[n], summ["methods"][n]
         fl = spread([j["floors"][n]["tt32t_s"] for j in judged])
-        say(f"{n:40s} {_fmt(m['ttft_s']):>18s} {_fmt(m['tt32t_s']):>18s} {_fmt(fl):>12s} {r['bytes'] / 1e6:7.2f} "
+        say(f"{n:40s} {_fmt(m['ttft_s']):>18s} {_fmt(m['decode_start_s']):>18s} {_fmt(m['tt32t_s']):>18s} "
+            f"{_fmt(fl):>12s} {r['bytes'] / 1e6:7.2f} "
             f"{r['drafted']:>8d}/{r['accepted']:<8g}")
     R, F, A = summ["ratios"], summ["floor"], summ["at_floor"]
     say(f"TTFT Lynx/INT4 {_fmt(R['ttft_lynx_int4'])} (floor {_fmt(F['ttft_lynx_int4'])}), Lynx/INT8 "
-        f"{_fmt(R['ttft_lynx_int8'])}; TT32T Lynx/INT8 {_fmt(R['tt32t_lynx_int8'])} (floor "
-        f"{_fmt(F['tt32t_lynx_int8'])}); Lynx at its floor: TTFT {_fmt(A['lynx_ttft'])}, TT32T "
-        f"{_fmt(A['lynx_tt32t'])}; identical to 8-bit full-tier decoding: {same}"
+        f"{_fmt(R['ttft_lynx_int8'])}; decode start Lynx/INT4 {_fmt(R['decode_start_lynx_int4'])} (floor "
+        f"{_fmt(F['decode_start_lynx_int4'])}), Lynx/INT8 {_fmt(R['decode_start_lynx_int8'])}; TT32T Lynx/INT8 "
+        f"{_fmt(R['tt32t_lynx_int8'])} (floor {_fmt(F['tt32t_lynx_int8'])}); Lynx at its floor: TTFT "
+        f"{_fmt(A['lynx_ttft'])}, decode start {_fmt(A['lynx_decode_start'])}, TT32T {_fmt(A['lynx_tt32t'])}; identical to 8-bit full-tier decoding: {same}"
         + ("" if exact is None else f"; Lynx (exact) identical to plain generate ({dtype}): {exact}"))
     say("Lynx generated:", repr(tok.decode(runs["Lynx"]["tokens"])))
     link_s = rows["BF16"]["bytes"] * 8 / bandwidth_bps  # BF16's KV on the link alone
@@ -199,8 +210,7 @@ def _report(runs, judged, tok, say, bandwidth_bps, new_tokens, dtype, do_sample,
             f"({link_s:.2f} s): this machine's compute, not the link, sets these TTFTs, and the ratios say little about "
             f"KV transfer (use a slower --bandwidth-mbps or a less busy machine)")
     med = lambda k: statistics.median([j["rows"]["Lynx"][k] for j in judged])  # noqa: E731
-    res = {"methods": {n: {**{k: (summ["methods"][n][k] or {}).get("median") for k in ("ttft_s", "ttft_verified_s",
-                                                                                         "tt32t_s")},
+    res = {"methods": {n: {**{k: (summ["methods"][n][k] or {}).get("median") for k in FIGURES},
                            "bytes": rows[n]["bytes"]} for n in summ["methods"]},  # (the plan's order)
            "lynx": {"drafted": med("drafted"), "accepted": med("accepted"), "identical_to_full": same,
                     "verify_overlap_s": rows["Lynx"]["verify_overlap_s"], "anchor_bits": bits, "width": width},

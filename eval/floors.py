@@ -13,6 +13,8 @@ Terms, for one request; times in seconds from its start (t0):
   owed          the passes still due after the verify pass to reach n verified tokens, one token each
 Floors (what no implementation on this machine, link and prompt could beat):
   TTFT          = logits                                  (every method: the first token is picked from them)
+  decode start  = the KV its token needs + step           (the second token, the first decode-side one: a draft
+                                                            needs the last anchor, a verified token every stream)
   TTnT, Lynx    = last residual + verify cost + owed × step
   TTnT, others  = last KV + (n − 1) × step               (n − 1 decode steps after the first token)
 `at_floor` = measured ÷ floor (≥ 1 up to clock noise): how far the code is from the physics."""
@@ -54,12 +56,14 @@ def last_arrival(events: list, t0: float, *streams: str) -> float | None:
 
 
 def floors(run: dict, n: int, step: float | None, split: bool) -> dict:
-    """{"ttft", "ttnt"} floors of one request (None where its events, or the round's step (None: not measured),
-    lack what a formula needs). run: a TurnResult (or its dict) with t0, events, timeline, logits_s; split: a
-    two-tier codec (Lynx)."""
-    t0, out = run["t0"], {"ttft": run.get("logits_s"), "ttnt": None}
+    """{"ttft", "decode_start", "ttnt"} floors of one request (None where its events, or the round's step (None:
+    not measured), lack what a formula needs). run: a TurnResult (or its dict) with t0, events, timeline, logits_s;
+    split: a two-tier codec (Lynx)."""
+    t0, out = run["t0"], {"ttft": run.get("logits_s"), "decode_start": None, "ttnt": None}
     if step is None:
         return out
+    need = second_token_data(run)
+    out["decode_start"] = None if need is None else need + step
     if not split:
         kv = last_arrival(run["events"], t0, "anchor", "residual", "correction")
         out["ttnt"] = None if kv is None else kv + (n - 1) * step
@@ -79,6 +83,16 @@ def floors(run: dict, n: int, step: float | None, split: bool) -> dict:
     done = sum(k for t, k in ps if t <= end)  # verified tokens once the verify pass is over (the first included)
     out["ttnt"] = residual + max(0.0, end - max(vstart[0], residual)) + max(0, n - done) * step
     return out
+
+
+def second_token_data(run: dict) -> float | None:
+    """When the data of the second token (the first decode-side one) was in, from t0: a draft's is the anchor
+    stream, a verified token's every stream (None: one token only, or no segment)."""
+    marks = sorted((t, k) for t, k in run["timeline"] if k in ("draft", "verified"))
+    if len(marks) < 2:
+        return None
+    streams = ("anchor",) if marks[1][1] == "draft" else ("anchor", "residual", "correction")
+    return last_arrival(run["events"], run["t0"], *streams)
 
 
 # -- rounds --------------------------------------------------------------------------------------------------------

@@ -41,12 +41,16 @@ def test_demo_two_processes(tmp_path):
     rounds = json.loads((tmp_path / "demo.json").read_text())["per_round"]
     assert [x["order"][0] for x in rounds] == ["BF16", "INT8"]  # rotated: each round starts one method later
     for k, (a, b, f) in {"ttft_lynx_int4": ("Lynx", "INT4 (KIVI-4)", "ttft_s"),
-                         "tt32t_lynx_int8": ("Lynx", "INT8", "tt32t_s")}.items():  # medians of per-round ratios
+                         "tt32t_lynx_int8": ("Lynx", "INT8", "tt32t_s"),
+                         "decode_start_lynx_int8": ("Lynx", "INT8", "decode_start_s")}.items():  # per-round ratios
         per = sorted(x["rows"][a][f] / x["rows"][b][f] for x in rounds)
         assert r["ratios"][k] == {"median": pytest.approx((per[0] + per[1]) / 2), "min": per[0], "max": per[1]}, k
     # the first token is picked from the logits the moment they land; TT32T at or above its floor (busy machine:
     # loosely above)
     assert 0.99 <= r["at_floor"]["lynx_ttft"] <= 1.3 and 0.9 <= r["at_floor"]["lynx_tt32t"] <= 3
+    assert 0.99 <= r["at_floor"]["lynx_decode_start"] <= 3 and r["ratios"]["decode_start_lynx_int4"]["median"] > 0
+    for name, m in r["methods"].items():  # the first token needs no KV: it comes before the first decode-side one
+        assert m["ttft_s"] < m["decode_start_s"], name
     assert list(r["methods"])[:2] == ["BF16", "INT8"]  # the plan's order, whatever the last round's
     assert set(r["methods"]) == {"BF16", "INT8", "INT4 (KIVI-4)", "CacheGen", "Lynx", "Lynx (exact)",
                                  "Lynx (no drafts: full-tier reference)"}

@@ -47,7 +47,20 @@ def test_lynx_owes_the_verify_pass_after_the_residual_and_the_steps_its_drafts_d
     kept = dict(run, timeline=_timeline((2.1, "verified"), (6.8, "verify_start"), *[(7.3, "verified")] * 31))
     assert floors(kept, 32, 0.1, split=True)["ttnt"] == pytest.approx(7.3)
     assert floors(dict(run, events=events[:1]), 32, 0.1, split=True)["ttnt"] is None  # no residual: no floor
-    assert floors(run, 32, None, split=True) == {"ttft": 2.05, "ttnt": None}  # no step measured: no TT32T floor
+    assert floors(run, 32, None, split=True) == {"ttft": 2.05, "decode_start": None, "ttnt": None}  # no step: none
+
+
+def test_the_decode_start_floor_is_the_data_of_the_second_token_plus_one_step():
+    events = [(T0 + 2.0, "anchor", 1, "value"), (T0 + 7.0, "residual", 1, "value")]
+    run = {"t0": T0, "logits_s": 0.5, "events": events,  # the first token from the logits alone, ahead of the KV
+           "timeline": _timeline((0.6, "verified"), (2.1, "draft"), (2.2, "draft"))}
+    assert floors(run, 32, 0.1, split=True)["decode_start"] == pytest.approx(2.0 + 0.1)  # a draft: the anchor's
+    ref = dict(run, timeline=_timeline((0.6, "verified"), (7.2, "verified")))  # no drafts: every stream's
+    assert floors(ref, 32, 0.1, split=True)["decode_start"] == pytest.approx(7.0 + 0.1)
+    one = {"t0": T0, "logits_s": 0.5, "events": [(T0 + 4.0, "anchor", 1, "value")],
+           "timeline": _timeline((0.6, "verified"), (4.3, "verified"))}
+    assert floors(one, 32, 0.1, split=False)["decode_start"] == pytest.approx(4.1)
+    assert floors(dict(one, timeline=_timeline((0.6, "verified"))), 32, 0.1, split=False)["decode_start"] is None
 
 
 def test_rounds_are_medians_with_ranges_and_ratios_are_medians_of_paired_ratios():
@@ -70,12 +83,12 @@ def test_the_vllm_demos_floors_count_the_verify_passes_as_measured_and_owed_step
                     anchor_at_s=4.0)
     assert pd_step(base) == pytest.approx(0.05)
     f = pd_floors(base, 32, 0.05, lynx=False)
-    assert f["ttft_s"] == pytest.approx(4.05) and f["tt32t_s"] == pytest.approx(4.0 + 31 * 0.05)
+    assert f["decode_start_s"] == pytest.approx(4.05) and f["ttft_s"] == 0.5 and f["tt32t_s"] == pytest.approx(4.0 + 31 * 0.05)
     # Lynx: anchors at 2.0, everything at 7.0; R's first pass at 7.4 verifies 17 tokens, the next 14 more at 7.6
     lynx = PDResult([0] * 32, 0.5, 2.2, 7.4, [0.5] + [7.4] * 17 + [7.6] * 14, "length", anchor_at_s=2.0,
                     full_at_s=7.0)
     f = pd_floors(lynx, 32, 0.05, lynx=True)
-    assert f["ttft_s"] == pytest.approx(2.05) and f["tt32t_s"] == pytest.approx(7.0 + 0.4 + 0.2)
+    assert f["decode_start_s"] == pytest.approx(2.05) and f["tt32t_s"] == pytest.approx(7.0 + 0.4 + 0.2)
     short = PDResult([0] * 20, 0.5, 2.2, 7.4, [0.5] + [7.4] * 19, "stop", anchor_at_s=2.0, full_at_s=7.0)
     assert pd_floors(short, 32, 0.05, lynx=True)["tt32t_s"] == pytest.approx(7.4 + 12 * 0.05)  # 12 owed
 
@@ -83,14 +96,16 @@ def test_the_vllm_demos_floors_count_the_verify_passes_as_measured_and_owed_step
 def test_the_session_benchs_rounds_judge_the_last_turn_and_every_turns_identity():
     from lynx_hf.eval.bench_session import _rounds
 
-    def turn(ttft, tt32t, floor, identical=None):
+    def turn(ttft, tt32t, floor, identical=None, start=None, data=None, step=None):
         return {"ttft_s": ttft, "tt32t_s": tt32t, "ttft_floor_s": floor, "wire_bytes": 100, "new_tokens": 10,
-                "total_tokens": 10, "identical": identical}
+                "total_tokens": 10, "identical": identical, "decode_start_s": start, "decode_start_data_s": data,
+                "step_s": step}
 
-    def arms(d, w, i4, i8, first_identical=True):
-        return {"lynx/delta": [turn(1, 1, 1, first_identical), turn(d, 4.0, d * 0.9, True)],
-                "lynx/whole": [turn(1, 1, 1, True), turn(w, 5.0, w, True)],
-                "int4/delta": [turn(1, 1, 1), turn(i4, 5.0, i4)], "int8/delta": [turn(1, 1, 1), turn(1, i8, 1)]}
+    def arms(d, w, i4, i8, first_identical=True):  # decode start: Lynx delta 2d (its data in at 2d - 0.3)
+        return {"lynx/delta": [turn(1, 1, 1, first_identical), turn(d, 4.0, d * 0.9, True, 2 * d, 2 * d - 0.3, 9.0)],
+                "lynx/whole": [turn(1, 1, 1, True), turn(w, 5.0, w, True, 4.0, 3.0)],
+                "int4/delta": [turn(1, 1, 1), turn(i4, 5.0, i4, None, 4 * i4, 3.0, 0.3)],
+                "int8/delta": [turn(1, 1, 1), turn(1, i8, 1, None, 8.0, 7.0, 0.1)]}
 
     out = _rounds([arms(1.0, 2.0, 1.0, 8.0), arms(2.0, 2.0, 1.0, 4.0), arms(1.5, 5.0, 2.0, 5.0, False)])
     assert out["rounds"] == 3 and out["identical"] == [True, True, False]
@@ -99,3 +114,9 @@ def test_the_session_benchs_rounds_judge_the_last_turn_and_every_turns_identity(
     assert out["ratios"]["lynx_int8_delta_tt32t"] == {"median": 0.8, "min": 0.5, "max": 1.0}
     assert out["floor"]["delta_whole_ttft"] == pytest.approx(0.45) and out["at_floor"]["lynx_delta_ttft"] == pytest.approx(1 / 0.9)
     assert out["ratios"]["lynx_identical"] is False  # the last round's every turn, not its last turn alone
+    # decode start: the step is the one-stream arms' median (0.2; Lynx's own 9.0 is not one), the floor data + step
+    assert out["ratios"]["delta_whole_decode_start"] == {"median": 0.75, "min": 0.5, "max": 1.0}
+    assert out["ratios"]["lynx_int4_delta_decode_start"]["median"] == pytest.approx(0.5)
+    assert out["ratios"]["lynx_int8_delta_decode_start"]["median"] == pytest.approx(3.0 / 8.0)
+    assert out["at_floor"]["lynx_delta_decode_start"] == pytest.approx(3.0 / 2.9)  # d = 1.5: 3.0 over 2.7 + 0.2
+    assert out["floor"]["lynx_int8_delta_decode_start"] == pytest.approx(2.9 / 7.2)

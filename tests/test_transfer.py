@@ -275,8 +275,9 @@ def test_end_to_end_over_torch_distributed():
 
 
 def test_an_early_stop_cancels_the_rest_of_the_stream(model_and_tok, prompt):
-    """max_new_tokens=1 needs only the prefill's logits: the decode side cancels, the prefill side drops the
-    residual frames still queued behind its slow link, and the connection serves the next request exactly."""
+    """max_new_tokens=1 needs only the prefill's logits, which leave ahead of the KV: the decode side cancels, the
+    prefill side drops the segment frames still queued behind its slow link (anchor ones too), and the connection
+    serves the next request exactly."""
     model, _ = model_and_tok
     srv = S.PrefillServer(model, secret="s3cret", bandwidth_bps=5e6).start()
     try:
@@ -286,9 +287,10 @@ def test_an_early_stop_cancels_the_rest_of_the_stream(model_and_tok, prompt):
         cli.close()
     finally:
         srv.close()
-    residual = [e for e in short["events"] if e[1] == "residual"]
+    anchor, residual = ([e for e in short["events"] if e[1] == kind] for kind in ("anchor", "residual"))
     assert short["cancelled"] and short["dropped_frames"] > 0 and short["loader_error"] is None
-    assert len(residual) + short["dropped_frames"] <= 30 * 2 * 2
+    assert len(anchor) + len(residual) + short["dropped_frames"] <= 30 * 2 * 2 * 2  # layers × K/V × 2 segments × 2
+    assert len(anchor) < 30 * 2 * 2  # the first token waited for no anchor frame
     assert full["dropped_frames"] == 0 and full["loader_error"] is None
     cache, _ = LynxCache.from_prefill(model, torch.tensor([prompt]), residual_after_steps=0)
     local = model.generate(torch.tensor([prompt]), cache=cache, custom_generate=lynx_hf.speculative_generate,

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from lynx_hf import LynxQuantConfig as Q
 from lynx_hf.quant import encode
 from lynx_hf.transfer.serde import check_residual, pack_segment, to_split, unpack_segment
-from lynx_hf.transfer.wire import (HEADER, MAX_PAYLOAD, Frame, FrameType, SequenceChecker, Stream, WireError,
+from lynx_hf.transfer.wire import (HEADER, MAX_PAYLOAD, VERSION, Frame, FrameType, SequenceChecker, Stream, WireError,
                                    parse_frame, encode_frame, json_frame)
 
 
@@ -27,7 +27,7 @@ def test_frame_roundtrip_exact():
     (lambda b: b[:-3], "truncated frame"),
     (lambda b: b[:-1] + bytes([b[-1] ^ 1]), "checksum"),
     (lambda b: b"XXXX" + b[4:], "magic"),
-    (lambda b: b[:4] + bytes([9]) + b[5:], "version"),
+    (lambda b: b[:4] + bytes([VERSION + 1]) + b[5:], "version"),
     (lambda b: b[:5] + bytes([77]) + b[6:], "unknown frame type"),
     (lambda b: b[:16] + struct.pack("<I", MAX_PAYLOAD + 1) + b[20:], "exceeds the limit"),
     (lambda b: b + b"x", "trailing"),

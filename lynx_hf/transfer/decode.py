@@ -280,8 +280,8 @@ class DecodeClient:
                 self._broken = e  # interrupted, or the stream did not end cleanly: the connection's state is unknown
             raise
         self._settle(cache, loader, cancel=not keep)  # without keep, an early stop cancels the frames still queued
-        ttft = cache.trace.times("draft", "verified")
-        self.placement.observe("prefill", ids.shape[1] - p["start"], ttft[0] if ttft else None)
+        marks = cache.trace.times("draft", "verified")  # the first token needs no KV: the second is the KV-bound one
+        self.placement.observe("prefill", ids.shape[1] - p["start"], marks[1] if len(marks) > 1 else None)
         self._observe_width(cfg, cache, loader, ids.shape[1] - (p.get("prefix_hit") or 0))
         return TurnResult.of(out[0, ids.shape[1]:].tolist(), t0, cache, held, p.get("prefix_hit"), loader, max_new,
                              clipped, refused=p.get("refused"))

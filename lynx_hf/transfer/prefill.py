@@ -12,7 +12,8 @@ FIRST), `send_layer` (one layer's segments, as the capture hands them over), `fi
 During prefill every attention layer hands its new prompt KV to a `PromptCapture` (local.py); the positions the
 layer's window keeps (all of them, or a sliding window's last W) are encoded and queued as anchor segments (priority
 0) and residual segments (priority 1), so the link carries layer i while layer i+1 computes. The last position's
-logits follow the anchors (FIRST), so the decode side picks the first token with its own generation options.
+logits (FIRST) go ahead of every segment frame still queued (behind only the frame on the wire): the decode side
+picks the first token from them with its own generation options while the KV it does not need yet streams on.
 
 One forward pass runs at a time (`ComputeQueue`), shortest remaining prompt first: a long prompt prefills one
 *prefill step* (`step` tokens) per turn and queues again, so a short request waits for one step, not for a whole
@@ -46,7 +47,7 @@ from ..quant import correction, encode
 from .auth import Channel, quote_peer
 from .prefix_cache import PrefixCache, layer_kv, token_digest
 from .serde import pack_logits, pack_segment, stream_bound
-from .transport import PRIO_ANCHOR, PRIO_CORRECTION, PRIO_END, PRIO_RESIDUAL
+from .transport import PRIO_ANCHOR, PRIO_CORRECTION, PRIO_END, PRIO_FIRST, PRIO_RESIDUAL
 from .wire import MAX_JSON, SEGMENT_TOKENS, FrameType, PeerClosed, RequestRefused, Stream, WireError
 
 log = logging.getLogger("lynx_hf.prefill")
@@ -287,7 +288,7 @@ class _Prefill:
             cap.forget_kept()
             logits = self._forward(cap, seg)
             self.futs.append(self.ch.send_binary(FrameType.FIRST, Stream.CONTROL, self.rid, pack_logits(logits),
-                                                 PRIO_ANCHOR))
+                                                 PRIO_FIRST))
             if keep:  # what was computed, for the next turn (or another client's copy): one copy, per block
                 node.prefix.insert(self.ids, self.hit, [cap.kept_kv(i, self.hit) for i in range(self.num_layers)])
         finally:

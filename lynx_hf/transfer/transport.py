@@ -1,7 +1,7 @@
 """A narrow transport interface with async start/wait pairs (like vLLM's KV connectors), and its backends.
 
     start_send(frame, priority, tag, bulk) -> Future
-                                             enqueue; frames leave in priority order (0 first), FIFO within
+                                             enqueue; frames leave in priority order (lowest first), FIFO within
                                              one; after a failed send every queued and later frame fails too;
                                              `bulk` (a data plane's bytes, e.g. NIXL's) is posted just before
                                              its frame, paced with it
@@ -36,10 +36,11 @@ import torch
 from ..link import LinkEmulator, NicPort
 from .wire import HEADER, MAGIC, MAX_PAYLOAD, FrameType, PeerClosed, WireError, json_frame, parse_frame, read_frame
 
-PRIO_ANCHOR, PRIO_RESIDUAL, PRIO_CORRECTION, PRIO_END = 0, 1, 2, 3
+PRIO_FIRST, PRIO_ANCHOR, PRIO_RESIDUAL, PRIO_CORRECTION, PRIO_END = -1, 0, 1, 2, 3  # FIRST: logits sent ahead
 PLAIN_TO_TLS = ("the prefill server speaks TLS: connect with tls=True or tls_ca=... (serve-decode --tls or "
                 "--tls-ca)")
-DSCP = {PRIO_ANCHOR: 46 << 2, PRIO_RESIDUAL: 10 << 2, PRIO_CORRECTION: 10 << 2, PRIO_END: 10 << 2}  # EF for the anchor, AF11 for the rest
+DSCP = {PRIO_FIRST: 46 << 2, PRIO_ANCHOR: 46 << 2, PRIO_RESIDUAL: 10 << 2, PRIO_CORRECTION: 10 << 2,
+        PRIO_END: 10 << 2}  # EF for the logits and the anchor, AF11 for the rest
 
 
 class Transport:

@@ -2,9 +2,11 @@
 the link emulated at 15 Mbit/s), one ~1K-token prompt shipped as BF16, INT8, INT4 (KIVI-4) and Lynx through the same
 `LynxConnector`, 32 new tokens each, then Lynx again without drafts (the full-tier reference it must equal).
 
-Times are seconds from the request's start: TTFT = the first token the decode engine produced (Lynx: the shadow's
-first draft; the baselines: their first verified token); first verified = R's first token; TT32T = the 32nd verified
-token (the prefill's first token counts). `--repeat N`: N rounds on the same engines, every method once per round in
+Times are seconds from the request's start: TTFT = the prefill engine's token, which the client gets before any KV
+moves (every method alike: vLLM's disaggregated proxies send it at once, ours too); decode start = the first token the
+decode engine produced, the first that needs the KV (Lynx: the shadow's first draft, on the anchor; the baselines:
+their first verified token, on the whole KV): the figure the codec moves; first verified = R's first token; TT32T =
+the 32nd verified token (the prefill's first token counts). `--repeat N`: N rounds on the same engines, every method once per round in
 an order rotated per round; figures are medians, ratios medians of per-round paired ratios, each beside its floor
 from the round's own events (`floors`). Prints a table, writes runs/vllm_demo.json (every round) and a PNG timeline,
 and with --json ends with one JSON line."""
@@ -32,7 +34,8 @@ def default_prompt_text() -> str:
 
 
 def _row(r, new_tokens: int) -> dict:
-    return {"ttft_s": round(r.ttft_s, 4), "ttft_verified_s": round(r.ttft_verified_s, 4),
+    return {"ttft_s": round(r.first_token_s, 4), "decode_start_s": round(r.ttft_s, 4),
+            "ttft_verified_s": round(r.ttft_verified_s, 4),
             "tt32t_s": None if r.tt(min(32, new_tokens)) is None else round(r.tt(min(32, new_tokens)), 4),
             "bytes": r.bytes,
             "anchor_at_s": r.anchor_at_s, "full_at_s": r.full_at_s, "drafted": r.drafted,
@@ -63,10 +66,11 @@ def plot(runs: dict, path: Path, title: str) -> bool:
         elif r.full_at_s:
             ax.barh(y, r.full_at_s, color="tab:purple", alpha=0.35)
         ax.plot(r.token_s, [y] * len(r.token_s), "|", color="tab:green", ms=14)
-        ax.plot([r.ttft_s], [y], "v", color="tab:gray")
+        ax.plot([r.first_token_s], [y], "v", color="tab:gray")
+        ax.plot([r.ttft_s], [y], "D", color="tab:red", ms=5)
     ax.set_yticks(range(len(runs)), list(runs))
     ax.set_xlabel("seconds since the request started (bars: KV on the link — anchor, residual / whole code; "
-                  "ticks: verified tokens; ▼ TTFT)")
+                  "ticks: verified tokens; ▼ TTFT, the prefill's token; ◆ decode start)")
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -75,7 +79,10 @@ def plot(runs: dict, path: Path, title: str) -> bool:
 
 
 PAIRS = {"ttft_lynx_int4": ("Lynx", "INT4 (KIVI-4)", "ttft_s"), "ttft_lynx_int8": ("Lynx", "INT8", "ttft_s"),
-         "tt32t_lynx_int8": ("Lynx", "INT8", "tt32t_s")}
+         "tt32t_lynx_int8": ("Lynx", "INT8", "tt32t_s"),
+         "decode_start_lynx_int4": ("Lynx", "INT4 (KIVI-4)", "decode_start_s"),
+         "decode_start_lynx_int8": ("Lynx", "INT8", "decode_start_s")}
+FIGURES = ("ttft_s", "decode_start_s", "tt32t_s")  # each with a floor; at_floor's names: lynx_ttft, ...
 
 
 def _passes(r) -> list[tuple[float, int]]:
@@ -89,11 +96,13 @@ def step_s(r) -> float | None:
 
 
 def floors(r, n: int, step: float | None, lynx: bool) -> dict:
-    """eval/floors.py's formulas on vLLM's events: TTFT ≥ (Lynx: the last anchor, the shadow's first token; a
-    baseline: its whole KV) + one step; TTnT ≥ the last segment + R's verify passes as measured (each from the pass
-    before it, or from the last segment) + one step per one-token pass still owed."""
+    """eval/floors.py's formulas on vLLM's events: TTFT = the prefill engine's token as it reached the client (the
+    event is the token itself: measured and floor coincide); decode start ≥ (Lynx: the last anchor, the shadow's
+    first token; a baseline: its whole KV) + one step; TTnT ≥ the last segment + R's verify passes as measured (each
+    from the pass before it, or from the last segment) + one step per one-token pass still owed."""
     start = r.anchor_at_s if lynx else r.full_at_s
-    out = {"ttft_s": None if start is None or step is None else start + step, "tt32t_s": None}
+    out = {"ttft_s": r.first_token_s, "decode_start_s": None if start is None or step is None else start + step,
+           "tt32t_s": None}
     if r.full_at_s is None or step is None:
         return out
     t, done, prev = r.full_at_s, 1, r.full_at_s
@@ -120,8 +129,7 @@ def _round(pd, ids, new_tokens: int, sampling: dict, r: int, say) -> dict:
     fl = {k: floors(runs[k], min(32, new_tokens), step, k == "Lynx") for k in METHODS}
     over = lambda m, f: m / f if m is not None and f else None  # noqa: E731
     return {"runs": runs, "rows": rows, "order": list(runs), "step_s": step, "floors": fl,
-            "at_floor": {"lynx_ttft": over(rows["Lynx"]["ttft_s"], fl["Lynx"]["ttft_s"]),
-                         "lynx_tt32t": over(rows["Lynx"]["tt32t_s"], fl["Lynx"]["tt32t_s"])}}
+            "at_floor": {f"lynx_{f[:-2]}": over(rows["Lynx"][f], fl["Lynx"][f]) for f in FIGURES}}
 
 
 def _summary(rounds: list[dict]) -> dict:
@@ -130,9 +138,9 @@ def _summary(rounds: list[dict]) -> dict:
             "floor": {k: (paired([j["floors"] for j in rounds], a, b, f) or {}).get("median")
                       for k, (a, b, f) in PAIRS.items()},
             "at_floor": {k: (spread([j["at_floor"][k] for j in rounds]) or {}).get("median")
-                         for k in ("lynx_ttft", "lynx_tt32t")},
+                         for k in (f"lynx_{f[:-2]}" for f in FIGURES)},
             "identical": [j["rows"]["Lynx"]["identical_to_full"] for j in rounds],
-            "spread": {n: {k: spread([j["rows"][n][k] for j in rounds]) for k in ("ttft_s", "tt32t_s")}
+            "spread": {n: {k: spread([j["rows"][n][k] for j in rounds]) for k in FIGURES}
                        for n in METHODS}}
 
 
@@ -183,21 +191,25 @@ def main(argv=None) -> int:
     runs, rows = last["runs"], last["rows"]
     if a.repeat > 1:  # the table's figures: medians over the rounds (their ranges in the JSON)
         for n in METHODS:
-            for k in ("ttft_s", "tt32t_s"):
+            for k in FIGURES:
                 rows[n][k] = (summ["spread"][n][k] or {}).get("median")
         for k in ("accepted", "drafted"):
             rows["Lynx"][k] = statistics.median(j["rows"]["Lynx"][k] for j in rounds)
         rows["Lynx"]["identical_to_full"] = all(summ["identical"])
-    say(f"\n{'method':<15}{'TTFT':>8}{'1st verified':>14}{'TT32T':>8}{'MB':>8}{'drafted':>9}{'accepted':>9}"
+    say(f"\n{'method':<15}{'TTFT':>8}{'decode start':>14}{'1st verified':>14}{'TT32T':>8}{'MB':>8}{'drafted':>9}"
+        f"{'accepted':>9}"
         + (f"   ({a.repeat} rounds: medians)" if a.repeat > 1 else ""))
     for k, r in rows.items():
-        say(f"{k:<15}{r['ttft_s']:>8.2f}{r['ttft_verified_s']:>14.2f}{r['tt32t_s'] or float('nan'):>8.2f}"
+        say(f"{k:<15}{r['ttft_s']:>8.2f}{r['decode_start_s']:>14.2f}{r['ttft_verified_s']:>14.2f}"
+            f"{r['tt32t_s'] or float('nan'):>8.2f}"
             f"{r['bytes'] / 1e6:>8.2f}{r['drafted']:>9}{r['accepted']:>9}")
     R, F, A = summ["ratios"], summ["floor"], summ["at_floor"]
     fmt = lambda x: "-" if x is None else f"{x['median']:.2f} [{x['min']:.2f}, {x['max']:.2f}]"  # noqa: E731
-    say(f"Lynx/INT4 TTFT {fmt(R['ttft_lynx_int4'])} (floor {F['ttft_lynx_int4']}), Lynx/INT8 TT32T "
-        f"{fmt(R['tt32t_lynx_int8'])} (floor {F['tt32t_lynx_int8']}); Lynx at its floor: TTFT {A['lynx_ttft']}, "
-        f"TT32T {A['lynx_tt32t']}; identical to full-tier decoding without drafts: {rows['Lynx']['identical_to_full']} "
+    say(f"Lynx/INT4 TTFT {fmt(R['ttft_lynx_int4'])} (the prefill's token for every method); decode start "
+        f"Lynx/INT4 {fmt(R['decode_start_lynx_int4'])} (floor {F['decode_start_lynx_int4']}), Lynx/INT8 "
+        f"{fmt(R['decode_start_lynx_int8'])} (floor {F['decode_start_lynx_int8']}); Lynx/INT8 TT32T "
+        f"{fmt(R['tt32t_lynx_int8'])} (floor {F['tt32t_lynx_int8']}); Lynx at its floor: decode start "
+        f"{A['lynx_decode_start']}, TT32T {A['lynx_tt32t']}; identical to full-tier decoding without drafts: {rows['Lynx']['identical_to_full']} "
         f"(exact = equal to vLLM decoding the 8-bit full tier)")
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
