@@ -110,7 +110,8 @@ def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_jso
     say(f"starting the prefill process (link emulator {bandwidth_bps / 1e6:.1f} Mbit/s, data plane {data_plane}) ...")
     rounds = []
     with prefill_child(model, bandwidth_bps, ids[:64], model_name, data_plane=data_plane, port=port,
-                       server_args=("--dtype", dtype, "--prefill-step", str(max(1024, len(ids)))),
+                       server_args=("--dtype", dtype, "--prefill-step", str(max(1024, len(ids))),
+                                    "--prefix-cache-mb", "0"),  # every method a fresh prompt's whole prefill
                        link_bps=bandwidth_bps) as cli:
         methods = methods or {**METHODS, "Lynx": LynxQuantConfig(anchor_bits=anchor_bits),
                               EXACT: LynxQuantConfig(exact=True, anchor_bits=anchor_bits)}

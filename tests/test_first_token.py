@@ -94,3 +94,47 @@ def test_in_process_the_logits_are_in_before_any_segment(tiny, want):
     marks = sorted(t for t, k in cache.trace.timeline if k in ("draft", "verified"))  # perf_counter, as events
     last_anchor = max(t for t, what, *_ in cache.trace.events if what == "anchor")
     assert marks[0] < last_anchor < marks[1]  # the first token before the anchor, the second after it
+
+
+def test_exact_mode_computes_its_corrections_after_the_logits_leave(tiny, monkeypatch):
+    """Exact mode's correction (its dearest encode step; its stream goes last anyway) is computed only once FIRST is
+    built: the forward pass, the first token's only wait, never waits for one. The tokens are plain generate's."""
+    from lynx_hf.transfer import prefill as P
+
+    calls = []
+    for name in ("correction", "pack_logits"):
+        real = getattr(P, name)
+        monkeypatch.setattr(P, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    srv = S.PrefillServer(tiny, secret=SECRET, bandwidth_bps=LINK_BPS).start()
+    try:
+        cli = DecodeClient(tiny, *srv.address, secret=SECRET)
+        r = cli.generate(PROMPT, Q(exact=True), max_new_tokens=8)
+        cli.close()
+    finally:
+        srv.close()
+    plain = tiny.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False)[0, len(PROMPT):].tolist()
+    assert r["tokens"] == plain
+    assert calls[0] == "pack_logits" and calls.count("correction") == 2 * 2 * 3  # layers × K/V × segments
+    assert min(_arrivals(r, "correction")) > r["logits_s"]
+    _check_order(r)
+
+
+def test_before_the_logits_a_layer_is_encoded_only_while_the_link_needs_it(tiny, monkeypatch, want):
+    """With a lead of 10 ms (1.25 KB at 1 Mbit/s), layer 0's anchor frames already feed the link when layer 1's KV
+    arrives: layer 1 is encoded after FIRST is built, not inside the forward pass. Same tokens."""
+    from lynx_hf.transfer import prefill as P
+
+    calls = []
+    monkeypatch.setattr(P, "LEAD_S", 0.01)
+    for name in ("encode", "pack_logits"):
+        real = getattr(P, name)
+        monkeypatch.setattr(P, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    srv = S.PrefillServer(tiny, secret=SECRET, bandwidth_bps=LINK_BPS).start()
+    try:
+        got = _over(DecodeClient(tiny, *srv.address, secret=SECRET))
+    finally:
+        srv.close()
+    assert got["tokens"] == want
+    first = calls.index("pack_logits")
+    assert calls[:first] == ["encode"] * 2 * 3  # layer 0: K/V × 3 segments; layer 1 waited for the logits
+    assert calls[first + 1:first + 1 + 2 * 3] == ["encode"] * 2 * 3

@@ -13,7 +13,9 @@ During prefill every attention layer hands its new prompt KV to a `PromptCapture
 layer's window keeps (all of them, or a sliding window's last W) are encoded and queued as anchor segments (priority
 0) and residual segments (priority 1), so the link carries layer i while layer i+1 computes. The last position's
 logits (FIRST) go ahead of every segment frame still queued (behind only the frame on the wire): the decode side
-picks the first token from them with its own generation options while the KV it does not need yet streams on.
+picks the first token from them with its own generation options while the KV it does not need yet streams on. So
+that the forward pass is the first token's only wait, a compute turn encodes a layer's KV only while the link needs
+it (`LEAD_S`); the rest is encoded after FIRST, at the link's pace.
 
 One forward pass runs at a time (`ComputeQueue`), shortest remaining prompt first: a long prompt prefills one
 *prefill step* (`step` tokens) per turn and queues again, so a short request waits for one step, not for a whole
@@ -53,6 +55,9 @@ from .wire import MAX_JSON, SEGMENT_TOKENS, FrameType, PeerClosed, RequestRefuse
 log = logging.getLogger("lynx_hf.prefill")
 PREFILL_STEP = 1024  # tokens of one forward pass of a long prompt (a short request waits for at most one)
 PROGRESS_S = 5.0     # a waiting request's client hears a PROGRESS frame at least this often
+LEAD_S = 0.25        # before the logits leave, encode a layer only while its connection has less of the anchor's
+#                      priority queued than the link sends in this long: the link stays fed, and the forward (the
+#                      first token's) is not slowed by encoding that the link could not carry before it ends anyway
 
 
 class Cancelled(Exception):
@@ -205,6 +210,8 @@ class _Prefill:
         self.plane = None                       # the request's data plane (None: the channel carries the bytes)
         self.num_layers, self.futs = 0, []      # the model's depth (CacheGen's bins), every queued frame's future
         self.hit, self.lo, self.compute_s, self.prefill_s = 0, 0, 0.0, None
+        self.corrections: list = []  # exact mode: segments whose correction waits for the logits to leave
+        self.seg: _Segmenter | None = None  # while the prompt's KV is being queued
 
     @property
     def prompt_len(self) -> int:
@@ -278,21 +285,26 @@ class _Prefill:
         """The cached prefix's KV and the computed rest through one capture (every frame queued as room allows),
         FIRST, and what was computed into the prefix cache."""
         node, P = self.node, self.prompt_len
-        seg = _Segmenter(self)
+        seg = self.seg = _Segmenter(self)
         keep = node.prefix is not None and node.prefix.budget > 0
         cap = seg.cap = PromptCapture(self.model.config, seg, P, ship_from=self.held, keep=keep)
         try:
+            seg.defer = True  # the cached prefix's frames too: as the link needs them, never before the logits
             for i in range(len(blocks[0]) if blocks else 0):  # the cached prefix, a layer at a time
                 cap.update(*(x.to(node.device) for x in layer_kv(blocks, i)), i)
+            seg.defer = False
             del blocks  # no reference to the cache's entries from here on
             cap.forget_kept()
             logits = self._forward(cap, seg)
             self.futs.append(self.ch.send_binary(FrameType.FIRST, Stream.CONTROL, self.rid, pack_logits(logits),
                                                  PRIO_FIRST))
+            seg.flush()  # what the compute turns left pending, behind the logits
+            self._send_corrections()
             if keep:  # what was computed, for the next turn (or another client's copy): one copy, per block
                 node.prefix.insert(self.ids, self.hit, [cap.kept_kv(i, self.hit) for i in range(self.num_layers)])
         finally:
-            seg.cap = None  # the capture (the prompt's KV) and the segmenter refer to each other: freed now, not by gc
+            seg.cap = self.seg = None  # the capture (the prompt's KV), the segmenter and this request refer to one
+            self.corrections.clear()   # another: freed now, not by gc
 
     def _forward(self, cap: PromptCapture, seg: "_Segmenter") -> torch.Tensor:
         """The positions past the prefix hit, one prefill step a compute turn; the last position's logits [1, V]."""
@@ -300,22 +312,25 @@ class _Prefill:
         for lo in range(self.hit, P, step):
             self.lo = lo
             with self.node.compute.turn(P - lo, self.poll, PROGRESS_S):
-                t, seg.in_turn = time.perf_counter(), True
+                t, seg.defer = time.perf_counter(), True
                 try:
                     out = self.model(input_ids=torch.tensor([self.ids[lo:lo + step]], device=self.node.device),
                                      cache=cap, use_cache=True, logits_to_keep=1)
                 finally:
-                    seg.in_turn = False
+                    seg.defer = False
                 self.compute_s += time.perf_counter() - t
             _check_peer(self.ch, self.rid)
-            seg.flush()  # what found no room during the turn, as the peer reads
+            if lo + step < P:
+                seg.feed()  # between steps: what keeps the link fed, without waiting
         self.prefill_s = time.perf_counter() - self.t0
         return out.logits[:, -1]
 
     def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """Queue one layer's KV (k, v: [B, H_kv, S, D] for prompt positions [start, start + S)) as SEGMENT frames
         of at most SEGMENT_TOKENS tokens (small frames keep strict priority responsive): K then V, each segment's
-        anchor (priority 0), then its residual (priority 1), then in exact mode its correction (priority 2)."""
+        anchor (priority 0), then its residual (priority 1), then in exact mode its correction (priority 2), which
+        before the logits leave is only noted (`corrections`: the segment's KV, a copy no larger than the prompt's):
+        its stream goes last anyway, and computing it is the codec's dearest step."""
         S, codes = k.shape[2], dataclasses.replace(self.cfg, exact=False)  # (the correction once they are queued)
         for kind, x in (("key", k), ("value", v)):
             for off in range(0, S, SEGMENT_TOKENS):
@@ -326,9 +341,16 @@ class _Prefill:
                     self._queue(Stream.RESIDUAL, pack_segment(layer, kind, start + off, s, "residual"),
                                 PRIO_RESIDUAL)
                 if self.cfg.exact:
-                    s.correction = correction(xs, s)
-                    self._queue(Stream.CORRECTION, pack_segment(layer, kind, start + off, s, "correction"),
-                                PRIO_CORRECTION)
+                    self.corrections.append((layer, kind, start + off, xs, s))
+                    if not (self.seg is not None and self.seg.defer):
+                        self._send_corrections()
+
+    def _send_corrections(self) -> None:
+        """Exact mode: compute and queue the noted segments' corrections, in order."""
+        for layer, kind, pos, xs, s in self.corrections:
+            s.correction = correction(xs, s)
+            self._queue(Stream.CORRECTION, pack_segment(layer, kind, pos, s, "correction"), PRIO_CORRECTION)
+        self.corrections.clear()
 
     def _queue(self, stream: Stream, payload: bytes, priority: int) -> None:
         """One segment: a SEGMENT frame, or with a data plane (`nixl.PrefillPlane`) a PLACED frame whose bytes the
@@ -387,24 +409,41 @@ class _Segmenter:
     SEGMENT_TOKENS tokens each), however the forward pass was stepped: the frames are those of a prefill in one pass.
 
     Frames are queued (`_Prefill.send_layer`) as the layers produce their KV while the connection's in-flight frames
-    have room. Inside a compute turn (`in_turn`) nothing waits: a layer whose frames find no room keeps its positions
-    pending — as a range of the capture's own KV (a sliding-window layer: its passes, within its window) — and
-    `flush()`, outside the turn, queues them as the peer reads, so a client that stops reading stalls only its own
-    request."""
+    have room. Before the logits leave (`defer`: the cached prefix's copy into the capture and every compute turn)
+    nothing waits, and nothing is encoded that the link does not need yet (`LEAD_S`): a layer whose frames find no
+    room, or a link already fed, keeps its positions pending — as a range of the capture's own KV (a sliding-window
+    layer: its passes, within its window) — and `flush()`, after FIRST, queues them as the peer reads, so a client
+    that stops reading stalls only its own request."""
 
     def __init__(self, request: _Prefill):
         self.r, self.P, self.segment = request, request.prompt_len, SEGMENT_TOKENS
         self.cap: PromptCapture | None = None  # set once the capture exists (span reads its KV)
         self.pending: dict[int, list] = {}  # layer -> [first unsent position, end seen, [(k, v)] of a sliding layer]
-        self.in_turn = False
+        self.defer = False
 
     def __call__(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         p = self.pending.setdefault(layer, [start, start, []])
         p[1] = start + k.shape[2]
         if not self.cap.whole(layer):
             p[2].append((k, v))
-        if not (self.in_turn and not self.r.ch.t.has_room()):
-            self._send(layer, wait=not self.in_turn)
+        if self.defer:
+            self.feed()  # the layers in order, as far as the link needs them
+        else:
+            self._send(layer, wait=True)
+
+    def _fed(self) -> bool:
+        """No room for more frames, or more of the anchor's priority queued than a paced link sends in LEAD_S (a
+        residual frame queued does not count: the anchors of the layers still to come go before it)."""
+        t = self.r.ch.t
+        bps = getattr(t.link.nic, "bps", None)
+        return not t.has_room() or (bps is not None and t.urgent * 8 > bps * LEAD_S)
+
+    def feed(self) -> None:
+        """Queue pending layers, in order, while the link needs them (never waiting: inside or between turns)."""
+        for layer in list(self.pending):
+            if self._fed():
+                return
+            self._send(layer, wait=False)
 
     def flush(self) -> None:
         """Queue every pending layer's frames, waiting for room (outside a compute turn)."""

@@ -59,6 +59,7 @@ class Transport:
         self._wire: queue.Queue = queue.Queue()  # frames on the (emulated) wire, in order, with their delivery time
         self.max_inflight: int | None = None  # bound_inflight
         self.inflight = 0  # bytes of frames (and their bulk) queued and not yet written, failed or dropped
+        self.urgent = 0    # of those, the bytes at the anchor's priority or above (`queued_urgent`)
         self._room = threading.Condition()
         self._feeder = threading.Thread(target=self._feed_loop, name="lynx-feeder", daemon=True)
         self._sender = threading.Thread(target=self._send_loop, name="lynx-sender", daemon=True)
@@ -76,15 +77,18 @@ class Transport:
                 fut.set_exception(ConnectionError("transport closed"))
             else:
                 n = len(frame) + (bulk.nbytes if bulk is not None else 0)
+                u = n if priority <= PRIO_ANCHOR else 0
                 with self._room:
                     self.inflight += n
+                    self.urgent += u
                 self._q.put((priority, next(self._n), frame, fut, tag, bulk, self.link.nic.clock()))
-                fut.add_done_callback(lambda _f, n=n: self._written(n))
+                fut.add_done_callback(lambda _f, n=n, u=u: self._written(n, u))
         return fut
 
-    def _written(self, n: int) -> None:
+    def _written(self, n: int, urgent: int = 0) -> None:
         with self._room:
             self.inflight -= n
+            self.urgent -= urgent
             self._room.notify_all()
 
     def bound_inflight(self, nbytes: int | None) -> None:
