@@ -116,6 +116,7 @@ def _turn_row(r: dict, turn: int, ids: list[int], identical, bandwidth_bps: floa
             "prefilled_on": r.get("prefilled_on", "prefill"),
             "ttft_floor_s": r.get("logits_s"), "link_s": r["bytes"] * 8 / bandwidth_bps,
             "decode_start_s": r["decode_start_s"], "decode_start_data_s": second_token_data(r),
+            "verified_2_s": r["verified_2_s"],
             "step_s": step_s(r["timeline"], r["t0"])}
 
 
@@ -174,6 +175,7 @@ def run(turns: int = 4, bandwidth_mbps: float = 15.0, new_tokens: int = 32, pref
     if results:
         cmd = (f"lynx-hf bench session --turns {turns} --bandwidth-mbps {bandwidth_mbps:g} --new-tokens {new_tokens}"
                + ("" if prefix_cache else " --no-prefix-cache") + (" --bf16-whole" if bf16_whole else "")
+               + (f" --repeat {repeat}" if repeat > 1 else "")
                + (f" --model {model_name}" if model_name else "") + f" --results {results}")
         write_section(Path(results), markdown(res, cmd))
         say(f"wrote the agent-sessions section of {results}")
@@ -268,7 +270,9 @@ def markdown(res: dict, cmd: str) -> list[str]:
              f"(turns on the decode node here: {_placed(res['arms'])}); *lynx-exact*: exact mode, equal to plain "
              "`generate` (the first turn's KV bit for bit with its correction stream — the embedded model runs in fp32 "
              "here, whose correction takes ~20 bits a value: docs/codec.md —, later turns computed on the decode node "
-             f"over the held KV, as exact mode does). Last turn ({res['turns']}):", "",
+             f"over the held KV, as exact mode does). Last turn ({res['turns']})"
+             + (" of the last round (the medians over the rounds follow the tables)" if res.get("rounds", 1) > 1
+                else "") + ":", "",
              "| arm | tokens | shipped | computed | TTFT s | decode start s | TT32T s | MB (anchor + residual) | drafts kept |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, rows in arms.items():

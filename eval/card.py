@@ -71,7 +71,10 @@ def _body(base: str, cfg: LynxQuantConfig, report: dict | None, results_md: str 
     lines = [f"# {base} with Lynx KV transfer", "",
              "Lynx quantizes the KV cache a prefill node ships to a decode node into an 8-bit code split into a 4-bit "
              "anchor (sent first) and a 4-bit residual. The decode node drafts on the anchor while the residual "
-             "streams in; one verification pass on the full KV keeps the output exactly that of full-tier decoding.",
+             "streams in; one verification pass on the full KV keeps the output exactly that of full-tier decoding. "
+             "Over a link the prefill node's last logits leave ahead of the KV, so the first token is the prefill's "
+             "for every KV method alike; what Lynx moves is when decoding starts (its first draft needs only the "
+             "anchor) and the time to the tokens after it.",
              "", "## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
              f'model = AutoModelForCausalLM.from_pretrained("{base}")',
              f'tok = AutoTokenizer.from_pretrained("{base}")',

@@ -33,7 +33,7 @@ from .harness import METHODS, default_prompt_text, final_line, prefill_child, pr
 
 
 EXACT = "Lynx (exact)"
-FIGURES = ("ttft_s", "ttft_verified_s", "decode_start_s", "tt32t_s")  # each method's, as medians over the rounds
+FIGURES = ("ttft_s", "ttft_verified_s", "decode_start_s", "verified_2_s", "tt32t_s")  # each method's, as medians over the rounds
 
 
 def _row(r: dict) -> dict:
@@ -42,7 +42,7 @@ def _row(r: dict) -> dict:
     last_res = max((t for t, what, *_ in r["events"] if what == "residual"), default=None)
     vstart = [t for t, k in r["timeline"] if k == "verify_start"]
     overlap = last_res - vstart[0] if vstart and last_res is not None else None
-    return {**{k: r[k] for k in ("ttft_s", "ttft_verified_s", "decode_start_s", "tt32t_s", "bytes")},
+    return {**{k: r[k] for k in ("ttft_s", "ttft_verified_s", "decode_start_s", "verified_2_s", "tt32t_s", "bytes")},
             **{k: st.get(k) for k in ("drafted", "accepted", "tree_nodes", "anchors_at_s", "residual_at_s", "verify_s",
                                          "draft_stop")},
             "verify_overlap_s": overlap}
@@ -91,7 +91,8 @@ PAIRS = {"ttft_lynx_int4": ("Lynx", "INT4 (KIVI-4)", "ttft_s"), "ttft_lynx_int8"
          "tt32t_lynx_int8": ("Lynx", "INT8", "tt32t_s"),
          "decode_start_lynx_int4": ("Lynx", "INT4 (KIVI-4)", "decode_start_s"),
          "decode_start_lynx_int8": ("Lynx", "INT8", "decode_start_s")}  # the --json "ratios" (and their "floor")
-AT_FLOOR = {"lynx_ttft": "ttft_s", "lynx_decode_start": "decode_start_s", "lynx_tt32t": "tt32t_s"}
+AT_FLOOR = {"lynx_ttft": "ttft_s", "lynx_decode_start": "decode_start_s", "lynx_verified_2": "verified_2_s",
+            "lynx_tt32t": "tt32t_s"}
 
 
 def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_json=False, out_dir="runs",
@@ -143,17 +144,18 @@ def _judge(runs: dict, new_tokens: int, do_sample: bool, plain) -> dict:
     steps = [step_s(r["timeline"], r["t0"]) for k, r in runs.items() if not k.startswith("Lynx")]
     steps = [s for s in steps if s is not None]
     step = statistics.median(steps) if steps else None  # (none measured: no TT32T floors this round)
-    fl = {k: floors(r, n, step, split=r["cache"].quant_config.method in ("lynx", "paper")) for k, r in runs.items()}
+    split = {k: r["cache"].quant_config.method in ("lynx", "paper") for k, r in runs.items()}
+    fl = {k: {**floors(r, n, step, split[k]), "second": floors(r, 2, step, split[k])["ttnt"]} for k, r in runs.items()}
     lynx = rows["Lynx"]
     return {"rows": rows, "order": list(runs), "step_s": step,
-            "floors": {k: {"ttft_s": f["ttft"], "decode_start_s": f["decode_start"], "tt32t_s": f["ttnt"]}
-                       for k, f in fl.items()},
+            "floors": {k: {"ttft_s": f["ttft"], "decode_start_s": f["decode_start"], "verified_2_s": f["second"],
+                           "tt32t_s": f["ttnt"]} for k, f in fl.items()},
             "identical": runs["Lynx"]["tokens"] == runs[REF]["tokens"] if not do_sample else None,
             "exact": None if plain is None or EXACT not in runs else runs[EXACT]["tokens"] == plain,
             "at_floor": {k: _over(lynx[f], fl["Lynx"][FLOOR_OF[f]]) for k, f in AT_FLOOR.items()}}
 
 
-FLOOR_OF = {"ttft_s": "ttft", "decode_start_s": "decode_start", "tt32t_s": "ttnt"}  # a figure's in floors()
+FLOOR_OF = {"ttft_s": "ttft", "decode_start_s": "decode_start", "verified_2_s": "second", "tt32t_s": "ttnt"}
 
 
 def _over(measured, floor):
@@ -201,7 +203,8 @@ def _report(runs, judged, tok, say, bandwidth_bps, new_tokens, dtype, do_sample,
         f"{_fmt(R['ttft_lynx_int8'])}; decode start Lynx/INT4 {_fmt(R['decode_start_lynx_int4'])} (floor "
         f"{_fmt(F['decode_start_lynx_int4'])}), Lynx/INT8 {_fmt(R['decode_start_lynx_int8'])}; TT32T Lynx/INT8 "
         f"{_fmt(R['tt32t_lynx_int8'])} (floor {_fmt(F['tt32t_lynx_int8'])}); Lynx at its floor: TTFT "
-        f"{_fmt(A['lynx_ttft'])}, decode start {_fmt(A['lynx_decode_start'])}, TT32T {_fmt(A['lynx_tt32t'])}; identical to 8-bit full-tier decoding: {same}"
+        f"{_fmt(A['lynx_ttft'])}, decode start {_fmt(A['lynx_decode_start'])}, second verified "
+        f"{_fmt(A['lynx_verified_2'])}, TT32T {_fmt(A['lynx_tt32t'])}; identical to 8-bit full-tier decoding: {same}"
         + ("" if exact is None else f"; Lynx (exact) identical to plain generate ({dtype}): {exact}"))
     say("Lynx generated:", repr(tok.decode(runs["Lynx"]["tokens"])))
     link_s = rows["BF16"]["bytes"] * 8 / bandwidth_bps  # BF16's KV on the link alone

@@ -37,7 +37,8 @@ class TurnResult(DictReads):
     the turn's start (over the network: sending the request, = its arrival at the prefill process on loopback): to
     the first token this process produced (draft or verified), to the first verified one (= stats'
     ttft_verified_s), to the 32nd; decode_start_s to the first token after the first (a draft on the anchor, or a
-    verified one): the first that needs the KV, when the first token came from the prefill's logits alone."""
+    verified one): the first that needs the KV, since the first token comes from the prefill's logits alone;
+    verified_2_s to the second verified token (Lynx: after the verify pass, on the full tier)."""
 
     tokens: list                 # the generated ids (the first included)
     t0: float                    # perf_counter when the turn started
@@ -63,6 +64,7 @@ class TurnResult(DictReads):
     width: dict | None = None    # anchor_bits "auto": the width chosen, why, each width's forecast (stats.width)
     logits_s: float | None = None  # when the prefill's logits landed (None: they were there before the turn began)
     decode_start_s: float | None = None  # the second token, the first decode-side one (None: one token only)
+    verified_2_s: float | None = None    # the second verified token (None: one token only)
 
     @classmethod
     def of(cls, tokens, t0, cache, held, prefix_hit, loader, max_new: int, clipped: bool,
@@ -77,7 +79,7 @@ class TurnResult(DictReads):
                    getattr(loader, "cancelled", False), getattr(loader, "dropped", 0), getattr(loader, "placed", 0),
                    None if error is None else str(error), reason, prefilled_on, cache.stats.width,
                    None if cache.trace.logits_at is None else cache.trace.logits_at - t0,
-                   gen[1] if len(gen) > 1 else None)
+                   gen[1] if len(gen) > 1 else None, ver[1] if len(ver) > 1 else None)
 
 
 PLACES = ("auto", "prefill", "decode")

@@ -48,6 +48,9 @@ def test_lynx_owes_the_verify_pass_after_the_residual_and_the_steps_its_drafts_d
     assert floors(kept, 32, 0.1, split=True)["ttnt"] == pytest.approx(7.3)
     assert floors(dict(run, events=events[:1]), 32, 0.1, split=True)["ttnt"] is None  # no residual: no floor
     assert floors(run, 32, None, split=True) == {"ttft": 2.05, "decode_start": None, "ttnt": None}  # no step: none
+    # the second verified token (verified_2_s): the verify pass's, owed nothing more; without drafts, one step
+    assert floors(run, 2, 0.1, split=True)["ttnt"] == pytest.approx(7.0 + 0.3)
+    assert floors(ref, 2, 0.1, split=True)["ttnt"] == pytest.approx(7.0 + 0.1)
 
 
 def test_the_decode_start_floor_is_the_data_of_the_second_token_plus_one_step():

@@ -35,6 +35,7 @@ def default_prompt_text() -> str:
 
 def _row(r, new_tokens: int) -> dict:
     return {"ttft_s": round(r.first_token_s, 4), "decode_start_s": round(r.ttft_s, 4),
+            "verified_2_s": None if r.tt(2) is None else round(r.tt(2), 4),
             "ttft_verified_s": round(r.ttft_verified_s, 4),
             "tt32t_s": None if r.tt(min(32, new_tokens)) is None else round(r.tt(min(32, new_tokens)), 4),
             "bytes": r.bytes,
@@ -82,7 +83,7 @@ PAIRS = {"ttft_lynx_int4": ("Lynx", "INT4 (KIVI-4)", "ttft_s"), "ttft_lynx_int8"
          "tt32t_lynx_int8": ("Lynx", "INT8", "tt32t_s"),
          "decode_start_lynx_int4": ("Lynx", "INT4 (KIVI-4)", "decode_start_s"),
          "decode_start_lynx_int8": ("Lynx", "INT8", "decode_start_s")}
-FIGURES = ("ttft_s", "decode_start_s", "tt32t_s")  # each with a floor; at_floor's names: lynx_ttft, ...
+FIGURES = ("ttft_s", "decode_start_s", "verified_2_s", "tt32t_s")  # each with a floor; at_floor: lynx_ttft, ...
 
 
 def _passes(r) -> list[tuple[float, int]]:
@@ -126,7 +127,8 @@ def _round(pd, ids, new_tokens: int, sampling: dict, r: int, say) -> dict:
     rows["Lynx"]["identical_to_full"] = runs["Lynx"].tokens == ref.tokens
     steps = sorted(s for s in (step_s(runs[k]) for k in METHODS if k != "Lynx") if s is not None)
     step = steps[len(steps) // 2] if steps else None  # (none measured: no floors this round)
-    fl = {k: floors(runs[k], min(32, new_tokens), step, k == "Lynx") for k in METHODS}
+    fl = {k: {**floors(runs[k], min(32, new_tokens), step, k == "Lynx"),
+              "verified_2_s": floors(runs[k], 2, step, k == "Lynx")["tt32t_s"]} for k in METHODS}
     over = lambda m, f: m / f if m is not None and f else None  # noqa: E731
     return {"runs": runs, "rows": rows, "order": list(runs), "step_s": step, "floors": fl,
             "at_floor": {f"lynx_{f[:-2]}": over(rows["Lynx"][f], fl["Lynx"][f]) for f in FIGURES}}
