@@ -116,10 +116,12 @@ def crossovers(rows: list[dict]) -> dict:
     out = {}
     for (prompt, ctx), links in sorted(by.items()):
         pts = sorted(links.items())
-        ratio = lambda a, b, k="tt32t_s": [(l, m[a][k] / m[b][k]) for l, m in pts if a in m and b in m]
+        ratio = lambda a, b, k="tt32t_s": [(l, m[a][k] / m[b][k]) for l, m in pts  # noqa: E731
+                                           if a in m and b in m and m[a].get(k) is not None and m[b].get(k)]
         out[f"{prompt}@{ctx}"] = {"lynx_beats_int8_below_mbps": _crossover(ratio("Lynx", "INT8")),
                                   "drafting_pays_below_mbps": _crossover(ratio("Lynx", NO_DRAFTS)),
-                                  "lynx_ttft_beats_int8_below_mbps": _crossover(ratio("Lynx", "INT8", "ttft_s"))}
+                                  "lynx_decode_start_beats_int8_below_mbps":
+                                      _crossover(ratio("Lynx", "INT8", "decode_start_s"))}
     return out
 
 
@@ -127,17 +129,17 @@ def plot(rows: list[dict], path: Path) -> None:
     ctxs, prompts = sorted({r["context"] for r in rows}), sorted({r["prompt"] for r in rows})
     fig, axes = pyplot().subplots(2, len(ctxs), figsize=(4.6 * len(ctxs), 7), squeeze=False)
     for j, ctx in enumerate(ctxs):
-        for i, metric in enumerate(("tt32t_s", "ttft_s")):
+        for i, metric in enumerate(("tt32t_s", "decode_start_s")):
             ax = axes[i][j]
             for name, _, _ in PLAN:
                 for prompt, style in zip(prompts, ("-", "--", ":")):
-                    pts = sorted((r["link_mbps"], r[metric]) for r in rows
-                                 if r["context"] == ctx and r["method"] == name and r["prompt"] == prompt)
+                    pts = sorted((r["link_mbps"], r[metric]) for r in rows if r.get(metric) is not None
+                                 and r["context"] == ctx and r["method"] == name and r["prompt"] == prompt)
                     if pts:
                         ax.plot(*zip(*pts), style, marker="o", ms=3, label=f"{name} ({prompt})")
             ax.set_xscale("log")
             ax.set_yscale("log")
-            ax.set_title(f"{ctx} tokens: {'time to 32 verified tokens' if i == 0 else 'time to first token'}")
+            ax.set_title(f"{ctx} tokens: {'time to 32 verified tokens' if i == 0 else 'decode start'}")
             ax.set_xlabel("link Mbit/s")
             ax.set_ylabel("seconds")
             ax.grid(True, which="both", alpha=0.3)
@@ -215,7 +217,7 @@ def _row(model, cli, ids: list[int], key: tuple, cfg, spec: bool, new_tokens: in
     r, mem = _request(cli, ids, cfg, spec, new_tokens)
     st = r["stats"]
     return {"link_mbps": link, "prompt": prompt, "context": ctx, "prompt_tokens": len(ids),
-            "method": name, **{k: r[k] for k in ("ttft_s", "ttft_verified_s", "tt32t_s", "bytes",
+            "method": name, **{k: r[k] for k in ("ttft_s", "ttft_verified_s", "decode_start_s", "tt32t_s", "bytes",
                                                   "prefill_s", "placed_segments")},
             "data_plane": data_plane,
             # the KV's bytes over the time from the request to the last segment's arrival
@@ -249,7 +251,8 @@ def _summary(done: dict, rows: list[dict], results: Path, say) -> dict:
     fmt = lambda v: "None" if v is None else f"{v:.0f}"
     for k, v in cross.items():
         say(f"  {k:18s} TT32T Lynx < INT8 up to {fmt(v['lynx_beats_int8_below_mbps'])}, drafting pays up to "
-            f"{fmt(v['drafting_pays_below_mbps'])}, TTFT Lynx < INT8 up to {fmt(v['lynx_ttft_beats_int8_below_mbps'])}")
+            f"{fmt(v['drafting_pays_below_mbps'])}, decode start Lynx < INT8 up to "
+            f"{fmt(v['lynx_decode_start_beats_int8_below_mbps'])}")
     lynx_rows = [r for r in rows if r["method"] == "Lynx"]
     return {
         "results": str(results), "requests": len(rows),
