@@ -273,7 +273,8 @@ def markdown(res: dict, cmd: str) -> list[str]:
              f"over the held KV, as exact mode does). Last turn ({res['turns']})"
              + (" of the last round (the medians over the rounds follow the tables)" if res.get("rounds", 1) > 1
                 else "") + ":", "",
-             "| arm | tokens | shipped | computed | TTFT s | decode start s | TT32T s | MB (anchor + residual) | drafts kept |",
+             "| arm | tokens | shipped | computed | TTFT s | decode start s | TT32T s | MB (anchor + residual) "
+             "| drafts kept |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, rows in arms.items():
         r = rows[-1]
@@ -294,15 +295,17 @@ def markdown(res: dict, cmd: str) -> list[str]:
         lines += ["", f"The prefill server's compute for the last turn (the same positions in every arm that placed it "
                   f"there) took {min(spread):.2f}–{max(spread):.2f} s across arms: where two arms' TTFTs differ by "
                   "less than that spread, this machine's load, not the codec, decided (each turn is prefill-bound)."]
-    lines += ["", "TTFT per turn and arm:", "", "| arm | " + " | ".join(f"turn {r['turn']}" for r in
-                                                                            next(iter(arms.values()))) + " |",
-              "|---|" + "---:|" * len(next(iter(arms.values())))]
-    lines += [f"| {name} | " + " | ".join(f"{r['ttft_s']:.2f}" for r in rows) + " |" for name, rows in arms.items()]
-    lines += ["", "Decode start (the second token, the first that needs the turn's KV) per turn and arm:", "",
-              "| arm | " + " | ".join(f"turn {r['turn']}" for r in next(iter(arms.values()))) + " |",
-              "|---|" + "---:|" * len(next(iter(arms.values())))]
-    lines += [f"| {name} | " + " | ".join(_num(r["decode_start_s"]) for r in rows) + " |" for name, rows in arms.items()]
+    lines += _per_turn(arms, "ttft_s", "TTFT")
+    lines += _per_turn(arms, "decode_start_s", "Decode start (the second token, the first that needs the turn's KV)")
     return lines + _rounds_lines(res) + [""]
+
+
+def _per_turn(arms: dict, figure: str, title: str) -> list[str]:
+    """A table of one figure: a row per arm, a column per turn."""
+    turns = [r["turn"] for r in next(iter(arms.values()))]
+    return (["", f"{title} per turn and arm:", "", "| arm | " + " | ".join(f"turn {t}" for t in turns) + " |",
+             "|---|" + "---:|" * len(turns)]
+            + [f"| {name} | " + " | ".join(_num(r[figure]) for r in rows) + " |" for name, rows in arms.items()])
 
 
 def _num(x) -> str:
@@ -314,8 +317,8 @@ def _rounds_lines(res: dict) -> list[str]:
     if res.get("rounds", 1) < 2:
         return []
     fl, at = res["floor"], res["at_floor"]
-    out = ["", f"Over {res['rounds']} rounds (the arms' order rotated per round), the last turn's paired ratios, medians "
-               "[min, max] (floor: the same ratio of the arms' floors, eval/floors.py):", ""]
+    out = ["", f"Over {res['rounds']} rounds (the arms' order rotated per round), the last turn's paired ratios, "
+               "medians [min, max] (floor: the same ratio of the arms' floors, eval/floors.py):", ""]
     for k in RATIOS:
         v = res["ratios"].get(k)
         if v:

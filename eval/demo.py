@@ -33,7 +33,7 @@ from .harness import METHODS, default_prompt_text, final_line, prefill_child, pr
 
 
 EXACT = "Lynx (exact)"
-FIGURES = ("ttft_s", "ttft_verified_s", "decode_start_s", "verified_2_s", "tt32t_s")  # each method's, as medians over the rounds
+FIGURES = ("ttft_s", "ttft_verified_s", "decode_start_s", "verified_2_s", "tt32t_s")  # medians over the rounds
 
 
 def _row(r: dict) -> dict:

@@ -86,7 +86,8 @@ def test_the_vllm_demos_floors_count_the_verify_passes_as_measured_and_owed_step
                     anchor_at_s=4.0)
     assert pd_step(base) == pytest.approx(0.05)
     f = pd_floors(base, 32, 0.05, lynx=False)
-    assert f["decode_start_s"] == pytest.approx(4.05) and f["ttft_s"] == 0.5 and f["tt32t_s"] == pytest.approx(4.0 + 31 * 0.05)
+    assert f["decode_start_s"] == pytest.approx(4.05) and f["ttft_s"] == 0.5
+    assert f["tt32t_s"] == pytest.approx(4.0 + 31 * 0.05)
     # Lynx: anchors at 2.0, everything at 7.0; R's first pass at 7.4 verifies 17 tokens, the next 14 more at 7.6
     lynx = PDResult([0] * 32, 0.5, 2.2, 7.4, [0.5] + [7.4] * 17 + [7.6] * 14, "length", anchor_at_s=2.0,
                     full_at_s=7.0)

@@ -59,7 +59,7 @@ class Transport:
         self._wire: queue.Queue = queue.Queue()  # frames on the (emulated) wire, in order, with their delivery time
         self.max_inflight: int | None = None  # bound_inflight
         self.inflight = 0  # bytes of frames (and their bulk) queued and not yet written, failed or dropped
-        self.urgent = 0    # of those, the bytes at the anchor's priority or above (`queued_urgent`)
+        self.urgent = 0    # of those, the bytes at the anchor's priority or above (the prefill's lead reads it)
         self._room = threading.Condition()
         self._feeder = threading.Thread(target=self._feed_loop, name="lynx-feeder", daemon=True)
         self._sender = threading.Thread(target=self._send_loop, name="lynx-sender", daemon=True)

@@ -6,9 +6,9 @@ Times are seconds from the request's start: TTFT = the prefill engine's token, w
 moves (every method alike: vLLM's disaggregated proxies send it at once, ours too); decode start = the first token the
 decode engine produced, the first that needs the KV (Lynx: the shadow's first draft, on the anchor; the baselines:
 their first verified token, on the whole KV): the figure the codec moves; first verified = R's first token; TT32T =
-the 32nd verified token (the prefill's first token counts). `--repeat N`: N rounds on the same engines, every method once per round in
-an order rotated per round; figures are medians, ratios medians of per-round paired ratios, each beside its floor
-from the round's own events (`floors`). Prints a table, writes runs/vllm_demo.json (every round) and a PNG timeline,
+the 32nd verified token (the prefill's first token counts). `--repeat N`: N rounds on the same engines, every method
+once per round in an order rotated per round; figures are medians, ratios medians of per-round paired ratios, each
+beside its floor from the round's own events (`floors`). Prints a table, writes runs/vllm_demo.json (every round) and a PNG timeline,
 and with --json ends with one JSON line."""
 from __future__ import annotations
 
@@ -211,7 +211,8 @@ def main(argv=None) -> int:
         f"Lynx/INT4 {fmt(R['decode_start_lynx_int4'])} (floor {F['decode_start_lynx_int4']}), Lynx/INT8 "
         f"{fmt(R['decode_start_lynx_int8'])} (floor {F['decode_start_lynx_int8']}); Lynx/INT8 TT32T "
         f"{fmt(R['tt32t_lynx_int8'])} (floor {F['tt32t_lynx_int8']}); Lynx at its floor: decode start "
-        f"{A['lynx_decode_start']}, TT32T {A['lynx_tt32t']}; identical to full-tier decoding without drafts: {rows['Lynx']['identical_to_full']} "
+        f"{A['lynx_decode_start']}, TT32T {A['lynx_tt32t']}; identical to full-tier decoding without drafts: "
+        f"{rows['Lynx']['identical_to_full']} "
         f"(exact = equal to vLLM decoding the 8-bit full tier)")
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
