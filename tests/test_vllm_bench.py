@@ -173,3 +173,14 @@ def test_bench_smoke_on_the_embedded_model(tmp_path):
     full = json.loads((tmp_path / "vllm_bench.json").read_text())
     assert len(full["rows"]) == 18 and len(full["alone"]) == 9 and (tmp_path / "vllm_bench.png").stat().st_size > 0
     assert p.stderr.count("TT32T p50") == 1  # the table, on stderr with --json
+
+
+def test_the_engines_get_disjoint_halves_of_the_cores_and_none_below_two(monkeypatch):
+    from lynx_hf.vllm import engine
+
+    monkeypatch.setattr(engine.os, "sched_getaffinity", lambda _: {3, 0, 1, 2, 5})
+    assert engine.disjoint_cores() == ([0, 1], [2, 3, 5])
+    monkeypatch.setattr(engine.os, "sched_getaffinity", lambda _: {4, 7})
+    assert engine.disjoint_cores() == ([4], [7])
+    monkeypatch.setattr(engine.os, "sched_getaffinity", lambda _: {0})
+    assert engine.disjoint_cores() is None

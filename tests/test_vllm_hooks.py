@@ -356,6 +356,7 @@ def _publish(pub, P, xfer="x", method="lynx", seed=0):
     save = StepMeta(saves=[SaveMeta("p", xfer, method, P, src, "dg")])
     for name, cache in zip(pw.index, pw.layers):
         pw.save_layer(save, name, cache)
+    pw.end_saves()
     return kv
 
 
@@ -463,6 +464,38 @@ def test_a_load_of_another_prompt_on_a_live_stream_and_a_write_that_cannot_fit_f
         pub.close()
 
 
+def test_the_forward_only_copies_its_kv_and_encoding_starts_once_it_is_over(monkeypatch):
+    """No codec runs inside the prefill's forward (the first token leaves before any KV is asked for): save_layer
+    copies, end_saves (wait_for_save) hands the copies to the encoder thread, which publishes every layer in order."""
+    import lynx_hf.vllm.worker as worker
+
+    calls = []
+    real = worker.encode_layer
+    monkeypatch.setattr(worker, "encode_layer", lambda *a: calls.append(a[1]) or real(*a))
+    pub = KVPublisher("127.0.0.1", 0, SECRET, FP)
+    try:
+        pw, kv = _Worker(pub), _kv(100)
+        src = [0, 1, 2, 3]
+        for i, (k, v) in enumerate(kv):
+            paged.scatter(pw.layers[i], src, 0, "key", k)
+            paged.scatter(pw.layers[i], src, 0, "value", v)
+        save = StepMeta(saves=[SaveMeta("p", "x", "lynx", 100, src, "dg")])
+        for name, cache in zip(pw.index, pw.layers):
+            pw.save_layer(save, name, cache)
+        for layer in pw.layers:
+            layer.zero_()  # vLLM may hand the blocks to another request once the step is over: copies were taken
+        time.sleep(0.05)
+        assert calls == [] and pub._entries["x"].frames == [] and not pub._entries["x"].done
+        pw.end_saves()
+        assert pw.encoder.drained(30) and calls == list(range(L)) and pub._entries["x"].done
+        dw = _Worker()
+        dw.begin_step(StepMeta(loads=[_load("r", "full", [0, 1, 2, 3], pub.port)]))
+        assert _until(dw, {"r"}) == ({"r"}, set())
+        _assert_tier(dw, kv, [0, 1, 2, 3], "full")
+    finally:
+        pub.close()
+
+
 def test_a_bad_refusal_or_a_failed_save_never_reaches_the_forward():
     pub = KVPublisher("127.0.0.1", 0, SECRET, FP)
     try:
@@ -473,6 +506,7 @@ def test_a_bad_refusal_or_a_failed_save_never_reaches_the_forward():
         save = StepMeta(saves=[SaveMeta("p2", "y", "lynx", 100, [0, 1, 2, 3], "dg")])  # y is published already
         for name, cache in zip(pw.index, pw.layers):
             pw.save_layer(save, name, cache)  # begin fails: no later layer is added into y's stream
+        pw.end_saves()
         dw = _Worker()
         dw.begin_step(StepMeta(loads=[_load("r", "full", [0, 1, 2, 3], pub.port, xfer="y")]))
         assert _until(dw, {"r"}) == ({"r"}, set())

@@ -206,6 +206,7 @@ def test_layout_prefill_on_flashattention_nhd_streams_to_decode_on_flashinfer_hn
         save = StepMeta(saves=[SaveMeta("p", "x", "lynx", P, src_ids, "dg")])
         for name, t in zip(pw.index, src):
             pw.save_layer(save, name, t)
+        pw.end_saves()
         dw.begin_step(StepMeta(loads=[LoadMeta("r", "x", "lynx", "full", True, "127.0.0.1", pub.port, P, 0, dst_ids,
                                                "dg")]))
         done, t_end = set(), time.time() + 20

@@ -7,7 +7,8 @@
 Each hook adapts vLLM's objects to the plain-data twins in hooks.py (scheduler side) and worker.py (worker side),
 where the logic lives, tested without vLLM. Extra config: `host`/`port` the prefill instance's KV stream listens
 on; `bandwidth_mbps`, `latency_ms` its emulated link; `max_held_mb` the encoded KV an instance may hold (prefill:
-published transfers; decode: held copies of live transfers); `ttl_s` how long the prefill instance keeps a transfer
+published transfers; decode: held copies of live transfers); `max_encode_mb` (prefill, default 512) the raw KV
+copies waiting for the encoder thread; `ttl_s` how long the prefill instance keeps a transfer
 nobody claimed (default 600); `timeout_s` how long the decode side waits for a frame, or a shadow for its real
 request; `drain_ms` the time a step may spend placing arrived KV into blocks — the longer of this (default 20) and
 the last forward's time, so a fast link never stalls the batch; `quant` the codec's fields other than its method
@@ -149,7 +150,8 @@ class LynxConnector(KVConnectorBase_V1):
             log.info("Lynx KV stream on %s:%d (link %s Mbit/s)", host, publisher.port, bw or "unpaced")
         self._worker = WorkerSide(dict(extra.get("quant", {})), secret, model_fingerprint(vllm_config), publisher,
                                   float(extra.get("timeout_s", 60)), bool(extra.get("upgrade_shadows", True)),
-                                  float(extra.get("drain_ms", 20)))
+                                  float(extra.get("drain_ms", 20)),
+                                  max_encode_mb=float(extra.get("max_encode_mb", 512)))
 
     # ---- worker side ----------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -187,7 +189,7 @@ class LynxConnector(KVConnectorBase_V1):
             self._worker.save_layer(self._get_connector_metadata().step, layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
-        return  # save_kv_layer encoded and queued each layer; the publisher streams it
+        self._worker.end_saves()  # the forward is over: its saves are encoded from here, after the first token
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         done, failed = self._worker.results(finished_req_ids)

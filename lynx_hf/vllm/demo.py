@@ -158,6 +158,8 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=count(65535), default=7411, help="the prefill engine's KV stream port")
     ap.add_argument("--do-sample", action="store_true", help="temperature 0.7 (seeded) instead of greedy")
     ap.add_argument("--prompt-file", help="a text file for the prompt (default: the standard library's source)")
+    ap.add_argument("--shared-cores", action="store_true",
+                    help="both engines on every core (default: disjoint halves, as two serving nodes)")
     ap.add_argument("--out-dir", default="runs")
     ap.add_argument("--json", action="store_true", help="end with one JSON line")
     ap.add_argument("--repeat", type=count(1000), default=1,
@@ -173,6 +175,7 @@ def main(argv=None) -> int:
 
     from transformers import AutoTokenizer
 
+    from .engine import disjoint_cores
     from .pd import LynxPD
 
     tok = AutoTokenizer.from_pretrained(a.model)
@@ -181,11 +184,16 @@ def main(argv=None) -> int:
     if len(ids) < a.tokens:
         ap.error(f"the prompt has {len(ids)} tokens, fewer than --tokens {a.tokens}")
     sampling = {"temperature": 0.7, "seed": 1234} if a.do_sample else {}
-    say(f"starting a prefill and a decode vLLM engine ({a.model}); link {a.bandwidth_mbps:g} Mbit/s")
+    cores = None if a.shared_cores else disjoint_cores()
+    where = "shared cores" if cores is None else f"prefill on cores {cores[0]}, decode on {cores[1]}"
+    say(f"starting a prefill and a decode vLLM engine ({a.model}; {where}); link {a.bandwidth_mbps:g} Mbit/s")
     rounds = []
+    # no prefix cache: every method's prefill computes the prompt, as a fresh prompt's would (with one, only the
+    # first request of the run did, and the TTFT column compared a forward with cache hits)
     with LynxPD(a.model, bandwidth_mbps=a.bandwidth_mbps or None, port=a.port,
-                num_speculative_tokens=a.num_speculative_tokens, draft_budget=a.new_tokens - 1) as pd:
-        pd.generate(ids[:128], 4, method="lynx", **sampling)  # warm-up: first-request costs out of the rows
+                num_speculative_tokens=a.num_speculative_tokens, draft_budget=a.new_tokens - 1,
+                engine_kwargs={"enable_prefix_caching": False}, cores=cores) as pd:
+        pd.generate(ids, 2, method="kivi4", **sampling)  # warm-up at the prompt's length: first-request costs out
         for r in _progress(range(a.repeat), a.repeat):
             rounds.append(_round(pd, ids, a.new_tokens, sampling, r, say))
         version = pd.version
@@ -218,7 +226,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     body = {"methods": rows, "engine": f"vllm {version}", "prompt_tokens": len(ids), "new_tokens": a.new_tokens,
             "bandwidth_mbps": a.bandwidth_mbps, "num_speculative_tokens": a.num_speculative_tokens,
-            "sampling": sampling or "greedy", **{k: v for k, v in summ.items() if k != "spread"}}
+            "sampling": sampling or "greedy",
+            "cores": "shared" if cores is None else {"prefill": cores[0], "decode": cores[1]}, **{k: v for k, v in summ.items() if k != "spread"}}
     per_round = [{k: j[k] for k in ("rows", "order", "step_s", "floors", "at_floor")} for j in rounds]
     (out / "vllm_demo.json").write_text(json.dumps({**body, "spread": summ["spread"], "per_round": per_round},
                                                    indent=2) + "\n")

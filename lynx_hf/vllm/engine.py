@@ -51,8 +51,20 @@ def _free_blocks(engine) -> int:
     return engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
 
-def _child(conn, engine_kwargs: dict, env: dict) -> None:
+def disjoint_cores() -> tuple[list, list] | None:
+    """This process's cores split in two (prefill, decode), as two serving nodes have their own; None below two."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return None
+    half = len(cores) // 2
+    return cores[:half], cores[half:]
+
+
+def _child(conn, engine_kwargs: dict, env: dict, cores: list | None) -> None:
     os.environ.update(env)
+    if cores:  # before torch starts its threads: the engine (and its OpenMP pool) runs on these cores only
+        os.sched_setaffinity(0, cores)
+        os.environ["OMP_NUM_THREADS"] = str(len(cores))
     os.dup2(2, 1)  # vLLM logs to stdout: keep the driver's stdout (a table, a JSON line) its own
     try:
         from vllm import EngineArgs, LLMEngine, SamplingParams
@@ -109,8 +121,10 @@ def _child(conn, engine_kwargs: dict, env: dict) -> None:
 class EngineProcess:
     """A vLLM engine in a spawned process. `start()` waits for it (minutes on a busy machine: `start_timeout_s`)."""
 
-    def __init__(self, engine_kwargs: dict, env: dict | None = None, name: str = "engine"):
+    def __init__(self, engine_kwargs: dict, env: dict | None = None, name: str = "engine", cores: list | None = None):
+        """cores: the CPU ids the engine's process may run on (None: all of this process's)."""
         self.name, self.kwargs, self.env = name, engine_kwargs, {**CHILD_ENV, **(env or {})}
+        self.cores = list(cores) if cores else None
         self.version = None
         self._events: dict[str, queue.Queue] = {}
         self._replies: queue.Queue = queue.Queue()
@@ -122,7 +136,7 @@ class EngineProcess:
     def start(self, start_timeout_s: float = 600.0) -> "EngineProcess":
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_child, args=(child, self.kwargs, self.env), name=f"lynx-{self.name}",
+        self._proc = ctx.Process(target=_child, args=(child, self.kwargs, self.env, self.cores), name=f"lynx-{self.name}",
                                  daemon=True)
         self._proc.start()
         if not self._conn.poll(start_timeout_s):

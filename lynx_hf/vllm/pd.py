@@ -63,7 +63,10 @@ class LynxPD:
                  quant: LynxQuantConfig | None = None, num_speculative_tokens: int = 8, draft_budget: int = 31,
                  secret: str | None = None, dtype: str = "float32", max_model_len: int = 4096,
                  block_size: int = 128, timeout_s: float = 60.0, shadow_release: tuple = (0.0, 0.5),
-                 upgrade_shadows: bool = True, engine_kwargs: dict | None = None):
+                 upgrade_shadows: bool = True, engine_kwargs: dict | None = None,
+                 cores: tuple[list, list] | None = None):
+        """cores: (the prefill engine's CPU ids, the decode engine's), e.g. engine.disjoint_cores(); None: both
+        engines share every core (their work then slows each other, which no disaggregated deployment has)."""
         if quant is not None and quant.exact:
             raise ValueError("exact=True is not served through the vLLM connector yet: use lynx-hf's own transfer "
                              "(serve-prefill / DecodeClient) for exact mode")
@@ -82,13 +85,16 @@ class LynxPD:
                 "kv_load_failure_policy": "fail"}
         self.prefill = EngineProcess({**common, "kv_transfer_config": {
             **conn, "kv_role": "kv_producer",
-            "kv_connector_extra_config": {**extra, "bandwidth_mbps": bandwidth_mbps or 0}}}, name="prefill")
+            "kv_connector_extra_config": {**extra, "bandwidth_mbps": bandwidth_mbps or 0}}}, name="prefill",
+            cores=cores[0] if cores else None)
         self.decode = EngineProcess({**common, "disable_log_stats": False,
                                      "speculative_config": {"method": "custom_class",
                                                             "model": "lynx_hf.vllm.proposer.LynxProposer",
                                                             "num_speculative_tokens": num_speculative_tokens},
                                      "kv_transfer_config": {**conn, "kv_role": "kv_consumer",
-                                                            "kv_connector_extra_config": extra}}, name="decode")
+                                                            "kv_connector_extra_config": extra}}, name="decode",
+                                    cores=cores[1] if cores else None)
+        self.cores = cores
         self._one = threading.Lock()  # generate() runs one request at a time (its counters are the engine's)
 
     def start(self) -> "LynxPD":

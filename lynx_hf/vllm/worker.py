@@ -1,8 +1,8 @@
 """The connector's worker-side logic as plain Python (hooks.py has the terms and the scheduler side): the paged KV
-(`register`), the publisher on the prefill instance, the transfers and loads on the decode instance.
+(`register`), the encoder and publisher on the prefill instance, the transfers and loads on the decode instance.
 
 Hooks: `handle_preemptions` and `begin_step` (start_load_kv) take the step's metadata; `save_layer`
-(save_kv_layer); `results` (get_transfer_results); `stats` (build_connector_worker_meta); `drafting` (what the
+(save_kv_layer) and `end_saves` (wait_for_save); `results` (get_transfer_results); `stats` (build_connector_worker_meta); `drafting` (what the
 proposer drafts for).
 
 Decode instance. One `Subscription` per live transfer holds its codes until the scheduler side closes it. A *load*
@@ -17,6 +17,8 @@ Writes into a request's blocks stop the step vLLM preempts, aborts or finishes i
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -40,6 +42,66 @@ def choose_layout(backends, kv_cache_layout: str) -> paged.Layout:
         raise RuntimeError(f"LynxConnector: {e}") from None
 
 
+class _Encoder:
+    """The prefill instance's encoder thread: a forward copies each layer's prompt KV out of the paged cache (`put`),
+    and only once the forward is over (`release`, from wait_for_save) is it encoded and published, so no method's
+    codec runs between the prompt's forward and its first token (vLLM's proxies send that token before the decode
+    instance asks for any KV). Copies waiting or being encoded are under `max_bytes`: `release` blocks the engine
+    until they fit (backpressure, never an unbounded queue)."""
+
+    def __init__(self, publisher: KVPublisher, max_bytes: int):
+        self.publisher, self.max_bytes = publisher, max_bytes
+        self._step: list = []  # this forward's (xfer, config, layer, num_layers, k, v)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._cv = threading.Condition()
+        self.queued_bytes = 0
+        self._failed: set[str] = set()
+        threading.Thread(target=self._run, name="lynx-kv-encode", daemon=True).start()
+
+    def put(self, xfer: str, config, layer: int, num_layers: int, k, v) -> None:
+        self._step.append((xfer, config, layer, num_layers, k, v))
+
+    def release(self) -> None:
+        """The forward is over: encode what it saved (the step's layers in order)."""
+        jobs, self._step = self._step, []
+        size = sum(j[4].nbytes + j[5].nbytes for j in jobs)
+        with self._cv:
+            while self.queued_bytes and self.queued_bytes + size > self.max_bytes:
+                self._cv.wait()
+            self.queued_bytes += size
+        for j in jobs:
+            self._jobs.put(j)
+
+    def drained(self, timeout_s: float = 30.0) -> bool:
+        """Wait until everything released is encoded and published (tests, shutdown)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self.queued_bytes == 0, timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            xfer, config, i, n, k, v = job
+            try:
+                if xfer not in self._failed:
+                    self.publisher.add(xfer, encode_layer(config, i, n, k, v))
+                    if i == n - 1:
+                        self.publisher.finish(xfer)
+            except (ValueError, RuntimeError) as e:  # one transfer fails, never the engine
+                self._failed.add(xfer)  # (its subscriber hears that the prefill instance stopped producing it)
+                log.warning("transfer %s not published: %s", xfer, e)
+            finally:
+                if i == n - 1:
+                    self._failed.discard(xfer)
+                with self._cv:
+                    self.queued_bytes -= k.nbytes + v.nbytes
+                    self._cv.notify_all()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+
 @dataclass
 class _Load:
     meta: LoadMeta
@@ -50,7 +112,7 @@ class _Load:
 class WorkerSide:
     def __init__(self, base_config: dict, secret: bytes, fingerprint: str, publisher: KVPublisher | None = None,
                  timeout_s: float = 60.0, upgrade_shadows: bool = True, drain_ms: float = 20.0,
-                 clock=time.monotonic):
+                 clock=time.monotonic, max_encode_mb: float = 512.0):
         codec_config(base_config, "lynx")  # a bad base (exact mode among it) refused at setup, not in a forward
         self.base, self.secret, self.fp, self.publisher, self.timeout_s = base_config, secret, fingerprint, \
             publisher, timeout_s
@@ -67,6 +129,7 @@ class WorkerSide:
         self._step_end: float | None = None     # when the last `results` call returned (its forward ran since)
         self._stats: dict[str, dict] = {}
         self._unsaved: set[str] = set()
+        self.encoder = None if publisher is None else _Encoder(publisher, int(max_encode_mb * (1 << 20)))
         self.drafting: dict[str, tuple] = {}   # xfer -> (P, key, rows), the latest step's (StepMeta.drafts)
 
     def register(self, kv_caches: dict, layout: paged.Layout = paged.CPU) -> None:
@@ -121,7 +184,8 @@ class WorkerSide:
 
     # -- prefill instance -------------------------------------------------------------------------------------
     def save_layer(self, meta: StepMeta, name: str, layer_cache) -> None:
-        """During the forward pass, after layer `name` wrote its KV: encode and queue the step's saves' KV of it."""
+        """During the forward pass, after layer `name` wrote its KV: copy the step's saves' KV of it for the encoder
+        (`end_saves` hands it over once the forward is done)."""
         i = self.index.get(name)
         if i is None:
             return
@@ -132,16 +196,19 @@ class WorkerSide:
                 continue
             try:
                 config = codec_config(self.base, s.method)  # (validated by the scheduler side already)
-                if i == 0:
+                if i == 0:  # published at once: the decode instance may ask before the encoder gets to it
                     self.publisher.begin(s.xfer, config, self.spec(s.prompt_len), s.digest)
-                k, v = paged.gather(self.paged[i], s.block_ids, s.prompt_len)  # (the tensor vLLM registered)
-                self.publisher.add(s.xfer, encode_layer(config, i, len(self.layers), k, v))
+                k, v = paged.gather(self.paged[i], s.block_ids, s.prompt_len)  # copies (vLLM may reuse the blocks)
             except (ValueError, RuntimeError) as e:  # one transfer fails, never the forward
                 self._unsaved.add(s.xfer)  # (one that began: its subscriber hears "unknown" or the stream's end)
                 log.warning("transfer %s not published: %s", s.xfer, e)
                 continue
-            if i == len(self.layers) - 1:
-                self.publisher.finish(s.xfer)
+            self.encoder.put(s.xfer, config, i, len(self.layers), k, v)
+
+    def end_saves(self) -> None:
+        """The forward is over (wait_for_save): the encoder encodes and publishes what it saved."""
+        if self.encoder is not None:
+            self.encoder.release()
 
     # -- decode instance --------------------------------------------------------------------------------------
     def _start_load(self, m: LoadMeta) -> None:
@@ -236,5 +303,7 @@ class WorkerSide:
     def close(self) -> None:
         for sub in self._subs.values():
             sub.close()
+        if self.encoder is not None:
+            self.encoder.close()
         if self.publisher is not None:
             self.publisher.close()
