@@ -56,3 +56,19 @@ def test_a_full_chunk_of_a_shared_prefix_encodes_alike_whatever_follows(kind, bi
         assert p[0] == q[0] == axis
         for name, u, v in zip(("anchor", "residual", "mu", "sigma"), p[1:], q[1:]):
             assert torch.equal(u, v), f"chunk {c}: {name} differs"
+
+
+@pytest.mark.parametrize("method", ["lynx", "int8", "kivi4", "bf16"])
+def test_the_vllm_stream_carries_a_full_segment_of_a_shared_prefix_byte_for_byte_alike(method):
+    """What vLLM's publisher sends (stream.encode_layer: segments of segment_tokens on an absolute grid, the
+    default 'auto' axes chosen per segment) is a function of each segment's own KV: every full segment of a shared
+    prefix is the same frame payload, whatever follows it, so a decode instance's cached block of turn n holds
+    exactly what turn n + 1 would ship."""
+    from lynx_hf.vllm.stream import encode_layer, segment_tokens
+
+    cfg = Q(method=method)
+    x, y = _pair()
+    fx, fy = encode_layer(cfg, 1, 3, x, x * 0.5), encode_layer(cfg, 1, 3, y, y * 0.5)
+    full = lambda frames: [(st, off, p) for st, off, p in frames if off + segment_tokens(cfg) <= SHARED]  # noqa: E731
+    assert full(fx) == full(fy) and len(full(fx)) == (SHARED // segment_tokens(cfg)) * 2 * (1 + (method == "lynx"))
+    assert {(st, off) for st, off, _ in fx} != {(st, off) for st, off, _ in fy}  # (the tails differ in length)

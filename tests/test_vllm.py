@@ -57,6 +57,28 @@ def test_engine_pair_on_the_embedded_model():
     assert r["decode_alive"] is True and r["free_blocks_after_kill"] is True
 
 
+@pytest.mark.slow
+def test_a_continued_turn_hits_the_decode_instances_cache_ships_only_what_it_lacks_and_equals_a_fresh_send():
+    import socket
+
+    model = _embedded_model()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = subprocess.run([str(VPY), str(ROOT / "tests" / "vllm_turns.py"), model, str(port)], capture_output=True,
+                       text=True, timeout=900, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
+    assert p.returncode == 0 and lines, p.stderr[-3000:]
+    r = json.loads(lines[-1])
+    for method in ("lynx", "int8", "kivi4"):
+        m = r[method]
+        assert m["equal"] is True and m["n"] == 16, (method, m)  # a prefix hit = a fresh send, token for token
+        # 900 positions, 512 of them held (4 blocks of 128 of turn 1's 600): 388 shipped, 300 new + under a block
+        assert m["continued_bytes"] <= m["fresh_bytes"] * (300 + 128) / 900, (method, m)
+        assert m["answer_hit_bytes"] < m["answer_hit_fresh_bytes"], (method, m)
+    assert r["sampled"]["n"] == 16 and r["sampled"]["finish"] == "length"
+
+
 def _free_ports(lo: int, n: int) -> int:
     """The first of n consecutive free loopback ports from lo on."""
     from lynx_hf.vllm.servers import free_base

@@ -2,6 +2,7 @@
 (hooks.py) and the proposer's draft book — each with the plain data vLLM would hand it. Tolerance 0 everywhere
 (codes, frames, token ids, and the dequantized tiers against `quant.dequantize` of the same codes)."""
 import time
+from dataclasses import asdict
 
 import numpy as np
 import pytest
@@ -11,9 +12,11 @@ from lynx_hf import LynxQuantConfig
 from lynx_hf.quant import dequantize, encode
 from lynx_hf.transfer.wire import SEGMENT_TOKENS
 from lynx_hf.vllm import paged
-from lynx_hf.vllm.hooks import LoadMeta, ParamsError, SaveMeta, SchedulerSide, StepMeta, parse_params
+from lynx_hf.vllm.hooks import (LoadMeta, ParamsError, SaveMeta, SchedulerSide, StepMeta, check_block_size, full_salt,
+                                parse_params)
 from lynx_hf.vllm.proposer import DraftBook, LynxProposer, belongs
-from lynx_hf.vllm.stream import KVPublisher, KVSpec, Subscription, StreamError, token_digest
+from lynx_hf.vllm.stream import (KVPublisher, KVSpec, Subscription, StreamError, segment_tokens, stream_tier,
+                                 token_digest)
 from lynx_hf.vllm.worker import WorkerSide
 
 SECRET, FP = b"test-secret", "fp"
@@ -23,6 +26,7 @@ L, H, D, BS = 3, 3, 64, 32
 def _kv(P, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(1, H, P, D, generator=g), torch.randn(1, H, P, D, generator=g)) for _ in range(L)]
+
 
 
 def _wait(pred, timeout=20.0):
@@ -84,8 +88,9 @@ def test_stream_tiers_equal_the_codec_exactly(method):
         assert sub.anchor_done == split and sub.full_done
         for i, (k, v) in enumerate(kv):
             for kind, x in (("key", k), ("value", v)):
-                for off in range(0, P, SEGMENT_TOKENS):
-                    s = encode(x[:, :, off:off + SEGMENT_TOKENS].contiguous(), cfg, kind, layer=(i, L))
+                u = segment_tokens(cfg)
+                for off in range(0, P, u):
+                    s = encode(x[:, :, off:off + u].contiguous(), cfg, kind, layer=(i, L))
                     assert torch.equal(got["full"][(i, kind, off)], dequantize(s, "full"))
                     if split:
                         assert torch.equal(got["anchor"][(i, kind, off)], dequantize(s, "anchor"))
@@ -93,6 +98,34 @@ def test_stream_tiers_equal_the_codec_exactly(method):
         assert not split or t["anchor_at"] <= t["full_at"]
         assert t["bytes"] > t["anchor_bytes"] if split else t["bytes"] == t["anchor_bytes"] > 0
         _wait(lambda: pub.stored_bytes == 0)  # streamed once, then dropped
+    finally:
+        pub.close()
+
+
+def test_a_stream_starts_at_the_first_segment_the_decode_instance_lacks():
+    """REQUEST names the first position the decode instance lacks (its prefix hit); the publisher streams from the
+    grid's segment holding it, and the codes are those a fresh transfer carries there."""
+    P, cfg = 300, LynxQuantConfig()
+    u, kv = segment_tokens(cfg), _kv(P)
+    pub = KVPublisher("127.0.0.1", 0, SECRET, FP)
+    try:
+        for xfer, start, first in (("a", 128, 128), ("b", 100, 64), ("c", 0, 0)):
+            pub.publish(xfer, cfg, KVSpec(L, H, D, "float32", P), "d", kv)
+            sub = Subscription("127.0.0.1", pub.port, SECRET, FP, xfer, cfg, KVSpec(L, H, D, "float32", P), "d",
+                               timeout_s=20, start=start)
+            got = _collect(sub, P)
+            assert sub.first == first and sub.pieces == L * 2 * len(range(first, P, u))
+            assert {key[2] for key in got["full"]} == set(range(first, P, u))
+            for (i, kind, off), x in got["full"].items():
+                ref = stream_tier(kv[i][kind == "value"], cfg, kind, (i, L), "full")
+                assert torch.equal(x, ref[:, :, off:off + x.shape[2]])
+            if xfer == "a":
+                fresh = sub.times()["bytes"]
+        assert fresh < 0.6 * sub.times()["bytes"]  # (c: the whole prompt)
+        with pytest.raises(ValueError, match="start"):
+            Subscription("127.0.0.1", pub.port, SECRET, FP, "z", cfg, KVSpec(L, H, D, "float32", P), "d", start=P)
+        with pytest.raises(ValueError, match="start must be an int"):
+            pub._claim({"xfer": "a", "spec": asdict(KVSpec(L, H, D, "float32", P)), "start": -1})
     finally:
         pub.close()
 
@@ -259,17 +292,36 @@ def test_a_shadow_must_be_its_transfers_prompt_and_a_salt_must_name_the_transfer
     assert s.matched("r-x", ids, R, 0, salt="lynx-full-other") == (1, True)  # a salt of another transfer
     s.finished("r-x", None)
     assert s.matched("r-x", ids, R, 0, salt="lynx-full-x") == (100, True)
-    s.allocated("r-x", ids, R, [0, 1, 2, 3], 100)
+    s.finished("r-x", None)
+    assert s.matched("r-x", ids, R, 0, salt=full_salt("int8")) == (1, True)  # another method's full tier
+    s.finished("r-x", None)
+    assert s.matched("r-x", ids, R, 64, salt=full_salt("lynx")) == (36, True)  # what it holds: later turns hit it
+    s.allocated("r-x", ids, R, [0, 1, 2, 3], 36)
     s.step_meta([], [], {})
     for rid, sids, S in (("s-short", ids[:51], _consume("anchor", P=50)),          # another length
                          ("s-other", [7] + ids[1:], _consume("anchor")),         # another prompt
                          ("s-codec", ids, _consume("anchor", method="paper"))):  # another codec
         assert s.matched(rid, sids, S, 0, salt="lynx-anchor-x") == (1, True), rid
         assert "differ from its transfer" in s._refuse[rid]
+    assert s.matched("s-full", ids, _consume("anchor"), 0, salt=full_salt("lynx")) == (1, True)  # anchor tier
+    assert "shadow's cache_salt must name its transfer" in s._refuse["s-full"]
     assert s.matched("s", ids, _consume("anchor"), 0, salt="lynx-anchor-x") == (100, True)
     # vLLM loads nothing for a request that skips reading the prefix cache: it computes its prompt, exactly
     assert s.matched("logprobs", ids, _consume("full", xfer="lp"), 0, salt="-lp", local=True) == (0, False)
     assert "logprobs" not in s._pass_load
+
+
+def test_a_block_must_hold_whole_segments_of_the_stream_when_blocks_are_shared():
+    for bs in (64, 128, 192, 256):
+        check_block_size(bs, LynxQuantConfig())
+    with pytest.raises(ValueError, match=r"--block-size 32 .*chunk_size 64.* pass --block-size 64"):
+        check_block_size(32, LynxQuantConfig())
+    with pytest.raises(ValueError, match="--block-size 64 .*group_size 128"):
+        check_block_size(64, LynxQuantConfig(method="kivi4", group_size=128))
+    s = SchedulerSide("kv_consumer", base={"group_size": 128}, salted=True, block_size=64)
+    ids = list(range(101))
+    assert s.matched("r", ids, _consume("full", shadow=False, method="kivi4"), 0, salt="lynx-full-kivi4") == (1, True)
+    assert "--block-size 64" in s._refuse["r"]
 
 
 def test_the_decode_side_holds_at_most_its_bound_of_live_transfers():
@@ -380,7 +432,7 @@ def _assert_tier(dw, kv, blocks, tier, P=100, start=0):
     for i, (k, v) in enumerate(kv):
         for x, got, kind in ((k, paged.gather(dw.layers[i], blocks, P)[0], "key"),
                              (v, paged.gather(dw.layers[i], blocks, P)[1], "value")):
-            want = dequantize(encode(x, cfg, kind, layer=(i, L)), tier)  # one segment: P < SEGMENT_TOKENS
+            want = stream_tier(x, cfg, kind, (i, L), tier)
             assert torch.equal(got[:, :, start:], want[:, :, start:]), (i, kind, tier)
 
 
@@ -403,6 +455,37 @@ def test_worker_side_fills_shadow_and_real_blocks_with_their_tiers_whatever_the_
         assert {"bytes", "anchor_bytes", "anchor_at", "full_at"} <= set(dw.stats()["r"])
         dw.begin_step(StepMeta(closed=["x"]))
         assert dw._subs == {}
+    finally:
+        pub.close()
+
+
+def test_a_shadow_of_a_continued_turn_drafts_on_the_full_tier_its_real_request_holds_and_the_anchor_beyond():
+    """R hit the decode instance's prefix cache (blocks of an earlier turn, full tier): the stream starts at its
+    first missing segment, and its shadow (its own salt: no hit) gets R's prefix blocks copied, never the anchor
+    tier where the full tier is held."""
+    pub = KVPublisher("127.0.0.1", 0, SECRET, FP)
+    try:
+        kv, dw, cfg = _publish(pub, 100), _Worker(upgrade=False), LynxQuantConfig()
+        for i, (k, v) in enumerate(kv):  # an earlier turn left positions [0, 64) in blocks 8 and 9
+            paged.scatter(dw.layers[i], [8, 9], 0, "key", stream_tier(k, cfg, "key", (i, L), "full")[:, :, :64])
+            paged.scatter(dw.layers[i], [8, 9], 0, "value", stream_tier(v, cfg, "value", (i, L), "full")[:, :, :64])
+        dw.begin_step(StepMeta(loads=[_load("r", "full", [8, 9, 10, 11], pub.port, start=64),
+                                      _load("s", "anchor", [4, 5, 6, 7], pub.port)]))
+        assert _until(dw, {"r", "s"}) == ({"r", "s"}, set())
+        assert dw._subs["x"].first == 64 and dw._subs["x"].pieces == L * 2  # one segment a layer and kind
+        _assert_tier(dw, kv, [8, 9, 10, 11], "full")
+        for i in range(L):
+            for j, kind in enumerate(("key", "value")):
+                got, ref = paged.gather(dw.layers[i], [4, 5, 6, 7], 100)[j], stream_tier(kv[i][j], cfg, kind, (i, L),
+                                                                                         "full")
+                assert torch.equal(got[:, :, :64], ref[:, :, :64])
+                anchor = stream_tier(kv[i][j], cfg, kind, (i, L), "anchor")
+                assert torch.equal(got[:, :, 64:], anchor[:, :, 64:]) and not torch.equal(anchor[:, :, 64:],
+                                                                                          ref[:, :, 64:])
+        late = _load("s2", "anchor", [12, 13, 14, 15], pub.port)
+        dw.begin_step(StepMeta(preempted=["r"], loads=[late]))
+        assert _until(dw, {"s2"}) == ({"s2"}, {"s2"})  # R's prefix blocks are gone: the shadow fails, alone
+        assert "blocks below it are gone" in late.error
     finally:
         pub.close()
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lynx_hf.vllm import paged
+from lynx_hf.vllm.stream import stream_tier
 
 ROOT = Path(__file__).resolve().parent.parent
 VPY = ROOT / ".venv-vllm" / "bin" / "python"
@@ -217,7 +218,7 @@ def test_layout_prefill_on_flashattention_nhd_streams_to_decode_on_flashinfer_hn
             time.sleep(0.005)
         cfg = LynxQuantConfig()
         for i in range(L):
-            want = [dequantize(encode(x, cfg, kind, layer=(i, L)), "full")
+            want = [stream_tier(x, cfg, kind, (i, L), "full")
                     for x, kind in zip(paged.gather(pw.paged[i], src_ids, P), ("key", "value"))]
             for kind, w in zip(("key", "value"), want):
                 assert torch.equal(expected(dst_phys, "FLASHINFER", "LBHNC", i, dst_ids, P, kind, h, bs, d), w)

@@ -13,7 +13,7 @@ from lynx_hf import LynxQuantConfig
 from lynx_hf.quant import dequantize, encode
 from lynx_hf.vllm import paged, worker
 from lynx_hf.vllm.hooks import SchedulerSide, StepMeta
-from lynx_hf.vllm.stream import KVPublisher, KVSpec, token_digest
+from lynx_hf.vllm.stream import KVPublisher, KVSpec, stream_tier, token_digest
 
 SECRET, FP = b"traffic", "fp"
 L, H, D, BS = 2, 2, 16, 16
@@ -189,9 +189,9 @@ def test_more_long_prompts_than_the_kv_holds_all_complete_exactly_and_nothing_wr
         for rid in done - failed:
             r = eng.loading.get(rid)
             if r is not None and r.tier == "full" and r.state != "finished":
-                for i, (k, v) in enumerate(kvs[r.xfer]):  # (one segment each: P < SEGMENT_TOKENS)
+                for i, (k, v) in enumerate(kvs[r.xfer]):
                     for j, (x, kind) in enumerate(((k, "key"), (v, "value"))):
-                        want = dequantize(encode(x, cfg, kind, layer=(i, L)), "full")
+                        want = stream_tier(x, cfg, kind, (i, L), "full")
                         assert torch.equal(paged.gather(work.layers[i], r.blocks, r.computed)[j], want), rid
                 checked.append(rid)
         return done, failed

@@ -62,6 +62,7 @@ def main():
         # the prefill engine dies mid-stream: the request fails in one line, the decode engine serves on
         import threading
 
+        pd.decode.reset_prefix_cache()  # (else its cached blocks of the prompt leave little to stream)
         killer = threading.Timer(2.0, pd.prefill.kill)  # ~2 s into a ~5 s stream
         t = time.time()
         killer.start()

@@ -1,5 +1,5 @@
 """Run inside .venv-vllm by tests/test_vllm.py: Lynx in vLLM under an operator's traffic. Two `vllm serve` instances
-(prefill, its KV stream paced at 100 Mbit/s; decode with 64 blocks of 32 tokens of KV — 2,048 tokens — prefix
+(prefill, its KV stream paced at 100 Mbit/s; decode with 32 blocks of 64 tokens of KV — 2,048 tokens — prefix
 caching at vLLM's default, on) and two proxies (two shadows a request; none), started as the README says (plus a
 small KV space). Prints one JSON line (the test asserts). Usage: python tests/vllm_traffic.py MODEL_DIR BASE_PORT.
 
@@ -202,7 +202,7 @@ def main():
     log = open(os.environ.get("LYNX_SERVE_LOG", os.devnull), "w")
     P, D, KV, A, B = (port0 + i for i in range(5))
     procs = [serve(model, P, KV, "kv_producer", secret, log),
-             serve(model, D, KV, "kv_consumer", secret, log, ["--num-gpu-blocks-override", "64",
+             serve(model, D, KV, "kv_consumer", secret, log, ["--num-gpu-blocks-override", "32",
                    "--speculative-config", json.dumps({"method": "custom_class", "num_speculative_tokens": 8,
                                                        "model": "lynx_hf.vllm.proposer.LynxProposer"})])]
     proxy = lambda port, shadows: subprocess.Popen(  # noqa: E731

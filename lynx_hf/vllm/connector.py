@@ -38,7 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorWorkerMetadata)
 
 from ..transfer.auth import resolve_secret
-from .hooks import SchedulerSide, StepMeta
+from .hooks import SchedulerSide, StepMeta, check_block_size, codec_config
 from .stream import KVPublisher
 from .worker import WorkerSide, choose_layout
 
@@ -131,9 +131,12 @@ class LynxConnector(KVConnectorBase_V1):
             self._topk_guard = self.kv_role == "kv_consumer" and vllm_config.speculative_config is not None \
                 and topk_only_broken()
             self._vocab = vllm_config.model_config.get_vocab_size()
-            self._sched = SchedulerSide(self.kv_role, dict(extra.get("quant", {})), _geometry(vllm_config), held,
-                                        float(extra.get("timeout_s", 60)),
-                                        salted=bool(vllm_config.cache_config.enable_prefix_caching))
+            base, salted = dict(extra.get("quant", {})), bool(vllm_config.cache_config.enable_prefix_caching)
+            block_size = vllm_config.cache_config.block_size if salted and self.kv_role != "kv_producer" else 0
+            if block_size:  # prefix hits: the default codec's segments must fit a block (a request's method: checked)
+                check_block_size(block_size, codec_config(base, "lynx"))
+            self._sched = SchedulerSide(self.kv_role, base, _geometry(vllm_config), held,
+                                        float(extra.get("timeout_s", 60)), salted=salted, block_size=block_size)
             return
         from .fixes import install_expand_fix
 

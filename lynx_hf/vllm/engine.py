@@ -98,6 +98,8 @@ def _child(conn, engine_kwargs: dict, env: dict, cores: list | None) -> None:
                 conn.send(("free", _free_blocks(engine)))
             elif cmd == "counters":
                 conn.send(("counters", _counters(engine)))
+            elif cmd == "reset":
+                conn.send(("reset", bool(engine.reset_prefix_cache())))
             elif cmd == "stop":
                 return
             busy = engine.has_unfinished_requests()
@@ -204,6 +206,10 @@ class EngineProcess:
 
     def counters(self) -> dict:
         return self._ask("counters")
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block (vLLM's reset_prefix_cache; False while requests still hold blocks)."""
+        return self._ask("reset")
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.is_alive()

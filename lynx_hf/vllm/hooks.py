@@ -25,13 +25,14 @@ Hooks: `matched` (→ get_num_new_matched_tokens), `allocated` (update_state_aft
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
 from ..config import LynxQuantConfig
 from ..errors import ConfigError
 from ..quant import codec
-from .stream import KVSpec, check_xfer_id, token_digest
+from .stream import KVSpec, check_xfer_id, segment_tokens, token_digest
 
 log = logging.getLogger("lynx_hf.vllm")
 TIERS = ("anchor", "full")
@@ -55,6 +56,24 @@ def codec_config(base: dict, method: str) -> LynxQuantConfig:
         raise ParamsError("exact=True is not served through the vLLM connector yet: use lynx-hf's own transfer "
                           "(serve-prefill / DecodeClient) for exact mode")
     return config
+
+
+def full_salt(method: str) -> str:
+    """The cache_salt of a real request's blocks: what they hold (method's full tier, under this engine's codec
+    settings, which are fixed for its life), never which transfer filled them. A full segment's code is a function
+    of its positions' KV alone (stream.py's grid), so a block cached by turn n is bit for bit the block turn n + 1
+    would ship: vLLM's prefix cache serves it, and the transfer starts at the first block the decode instance lacks."""
+    return f"lynx-full-{method}"
+
+
+def check_block_size(block_size: int, config: LynxQuantConfig) -> None:
+    """A cached block must hold whole segments of the stream's grid (else a block of turn n holds part of a segment
+    coded over other positions than turn n + 1's): a ValueError naming both flags otherwise."""
+    unit = segment_tokens(config)
+    if block_size % unit:
+        raise ValueError(f"LynxConnector: --block-size {block_size} is not a multiple of the {config.method} codec's "
+                         f"segment of {unit} tokens (kv_connector_extra_config quant.chunk_size {config.chunk_size}, "
+                         f"group_size {config.group_size}): pass --block-size {math.lcm(block_size, unit)}")
 
 
 def parse_params(params, base: dict | None = None) -> dict | None:
@@ -101,6 +120,20 @@ def _check_consume(p: dict, split: bool) -> None:
     n = p["prompt_len"]
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 1 << 20:
         raise ParamsError(f"prompt_len must be an int in [1, 2^20], got {n!r}")
+
+
+def _salt_refusal(p: dict, salt) -> str | None:
+    """With prefix caching on, a consume request's cache_salt says what its blocks may serve: a real request's (its
+    method's full tier) `full_salt(method)`, or one naming its transfer (ending "-<xfer>": never shared); a shadow's
+    (anchor tier, upgraded in place) must name its transfer, so no other request ever hits anchor-tier KV."""
+    own = isinstance(salt, str) and salt.endswith("-" + p["xfer"]) and salt != full_salt(p["method"])
+    if p["tier"] == "anchor" and not own:
+        return (f"with prefix caching on, a shadow's cache_salt must name its transfer (end with '-{p['xfer']}', e.g. "
+                f"'lynx-anchor-{p['xfer']}'), got {salt!r}: its anchor-tier blocks must serve no other request")
+    if p["tier"] == "full" and not own and salt != full_salt(p["method"]):
+        return (f"with prefix caching on, a real request's cache_salt must be {full_salt(p['method'])!r} (its blocks "
+                f"serve later turns' prefix hits) or name its transfer (end with '-{p['xfer']}'), got {salt!r}")
+    return None
 
 
 @dataclass
@@ -172,8 +205,10 @@ class SchedulerSide:
     transfer, so its blocks never serve another request's prefix hit)."""
 
     def __init__(self, role: str, base: dict | None = None, geometry: tuple | None = None,
-                 max_held_bytes: int = 1 << 30, timeout_s: float = 60.0, clock=time.monotonic, salted: bool = False):
+                 max_held_bytes: int = 1 << 30, timeout_s: float = 60.0, clock=time.monotonic, salted: bool = False,
+                 block_size: int = 0):
         self.role, self.salted = role, salted  # role: "kv_producer" | "kv_consumer" | "kv_both"
+        self.block_size, self._sized = block_size, set()  # (0: unchecked, tests) methods whose segments fit a block
         codec_config(base or {}, "lynx")  # a bad base refused at setup
         self.base, self.geometry, self.max_held, self.timeout_s, self.clock = base or {}, geometry, \
             max_held_bytes, timeout_s, clock
@@ -218,10 +253,15 @@ class SchedulerSide:
         if local:
             log.warning("request %s skips reading the prefix cache: it computes its prompt locally, without Lynx", req_id)
             return 0, False
-        if self.salted and not (isinstance(salt, str) and salt.endswith("-" + p["xfer"])):
-            return self.refuse(req_id, f"with prefix caching on, a consume request's cache_salt must name its "
-                                         f"transfer (end with '-{p['xfer']}', e.g. 'lynx-full-{p['xfer']}'), got "
-                                         f"{salt!r}: otherwise its blocks serve other requests' prefix hits")
+        why = self.salted and _salt_refusal(p, salt)
+        if why:
+            return self.refuse(req_id, why)
+        if self.block_size and p["method"] not in self._sized:
+            try:
+                check_block_size(self.block_size, codec_config(self.base, p["method"]))
+            except ValueError as e:
+                return self.refuse(req_id, str(e))
+            self._sized.add(p["method"])
         P = p["prompt_len"]
         if P > len(prompt_ids) - 1:
             return self.refuse(req_id, f"prompt_len {P} needs a prompt of at least {P + 1} tokens (the prompt "

@@ -150,3 +150,14 @@ def scatter(layer: PagedLayer | torch.Tensor, block_ids, start: int, kind: str, 
     b, o = _slots(block_ids, start, x.shape[2], values.shape[2], values.shape[0])
     rows = x[0].transpose(0, 1).to(device=values.device, dtype=values.dtype)  # [count, H, D]
     (keys if kind == "key" else values)[b, :, o] = rows
+
+
+def copy_blocks(layer: PagedLayer | torch.Tensor, src, dst) -> None:
+    """Copy whole blocks src[i] → dst[i] of one layer (K and V: a block's memory, whatever the layout)."""
+    c = layer.cache if isinstance(layer, PagedLayer) else layer
+    src, dst = torch.as_tensor(list(src), dtype=torch.long), torch.as_tensor(list(dst), dtype=torch.long)
+    if len(src) != len(dst) or (len(src) and (int(torch.cat([src, dst]).min()) < 0
+                                              or int(torch.cat([src, dst]).max()) >= c.shape[0])):
+        raise ValueError(f"block copy {src.tolist()} -> {dst.tolist()}: not all among this layer's {c.shape[0]} "
+                         f"blocks, or not one for one")
+    c[dst] = c[src]

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..config import LynxQuantConfig
+from .hooks import full_salt
 from .engine import EngineFailed, EngineProcess
 
 DEFAULT_PORT = 7411
@@ -182,7 +183,7 @@ class LynxPD:
                 "kv_transfer_params": {"lynx": {**kv, "tier": "anchor", "release": self.release[i]}}}},
                 cache_salt=f"lynx-anchor-{xfer}"))
         rq = self.decode.add(f"r-{xfer}", ids1, {**sampling, "max_tokens": max_tokens - 1, "extra_args": {
-            "kv_transfer_params": {"lynx": {**kv, "tier": "full"}}}}, cache_salt=f"lynx-full-{xfer}")
+            "kv_transfer_params": {"lynx": {**kv, "tier": "full"}}}}, cache_salt=full_salt(method))
         try:
             self._collect(res, t0, rq, sqs, s_ids)
         finally:

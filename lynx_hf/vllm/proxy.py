@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import secrets
 import time
@@ -21,6 +22,7 @@ import time
 from aiohttp import ClientSession, ClientTimeout, web
 
 from .fixes import topk_only_broken, topk_only_refusal
+from .hooks import full_salt
 from .pd import shadow_seed
 
 PASS = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "repetition_penalty",
@@ -74,6 +76,17 @@ class Proxy:
             raise web.HTTPBadRequest(text="prompt must be a string or a list of token ids (one prompt per request)")
         return (await self._post(f"{self.prefill}/tokenize", {"model": body.get("model"), **req}))["tokens"]
 
+    async def forward(self, request: web.Request) -> web.Response:
+        """What operators' tools ask besides completions (the model list, the tokenizer), answered by the prefill
+        instance as it would answer them."""
+        url = f"{self.prefill}{request.path}"
+        data = await request.read() if request.method == "POST" else None
+        async with self.http.request(request.method, url, data=data,
+                                     headers={"Content-Type": request.headers.get("Content-Type",
+                                                                                  "application/json")}) as r:
+            return web.Response(body=await r.read(), status=r.status,
+                                content_type=r.content_type or "application/json")
+
     async def _shadow(self, body: dict) -> None:
         try:
             async with self.http.post(f"{self.decode}/v1/completions", json=body) as r:
@@ -90,6 +103,10 @@ class Proxy:
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise web.HTTPBadRequest(text=f"max_tokens must be an int >= 1, got {max_tokens!r}")
         model, stream = body.get("model"), bool(body.get("stream", False))
+        opts = body.get("stream_options") or {}
+        if not isinstance(opts, dict):
+            raise web.HTTPBadRequest(text="stream_options must be an object")
+        usage = stream and bool(opts.get("include_usage"))
         sampling = {k: body[k] for k in PASS if k in body}
         logprobs = body.get("logprobs")
         if logprobs is not None and (chat or isinstance(logprobs, bool) or not isinstance(logprobs, int)
@@ -119,7 +136,7 @@ class Proxy:
                 "cache_salt": f"lynx-anchor-{xfer}",
                 "kv_transfer_params": {"lynx": {**kv, "tier": "anchor", "release": release}}})))
         real = {"model": model, "prompt": ids1, "max_tokens": max_tokens - 1, "stream": stream, **sampling,
-                "cache_salt": f"lynx-full-{xfer}", "kv_transfer_params": {"lynx": {**kv, "tier": "full"}}}
+                "cache_salt": full_salt(self.method), "kv_transfer_params": {"lynx": {**kv, "tier": "full"}}}
         try:
             if max_tokens == 1:
                 return web.json_response(_whole(chat, model, first_text, c0.get("finish_reason"), len(ids), 1,
@@ -130,16 +147,21 @@ class Proxy:
                 return web.json_response(_whole(chat, model, first_text + c["text"], c["finish_reason"], len(ids),
                                                 1 + r.get("usage", {}).get("completion_tokens", 0),
                                                 _joined(c0.get("logprobs"), c.get("logprobs"), len(first_text))))
-            return await self._stream(request, chat, model, c0, real)
+            real["stream_options"] = {"include_usage": True}  # (R's token count, for the client's usage chunk)
+            return await self._stream(request, chat, model, c0, real, len(ids) if usage else None)
         finally:
             for t in shadows:
                 t.cancel()
 
-    async def _stream(self, request, chat: bool, model, c0: dict, real: dict) -> web.StreamResponse:
+    async def _stream(self, request, chat: bool, model, c0: dict, real: dict,
+                      prompt_tokens: int | None) -> web.StreamResponse:
+        """prompt_tokens: the client asked for a usage chunk (stream_options.include_usage): it comes last, as vLLM
+        and OpenAI send it, counting the prefill's token and R's."""
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await out.prepare(request)
         send = lambda obj: out.write(f"data: {json.dumps(obj)}\n\n".encode())  # noqa: E731
         await send(_chunk(chat, model, c0["text"], None, first=True, logprobs=c0.get("logprobs")))
+        completion = 1
         async with self.http.post(f"{self.decode}/v1/completions", json=real) as r:
             if r.status != 200:
                 await send({"error": {"message": f"decode instance answered {r.status}: {(await r.text())[:300]}"}})
@@ -148,9 +170,15 @@ class Proxy:
                     if "error" in c:
                         await send(c)
                         break
+                    if not c.get("choices"):  # R's usage chunk
+                        completion += int((c.get("usage") or {}).get("completion_tokens") or 0)
+                        continue
                     ch = c["choices"][0]
                     await send(_chunk(chat, model, ch.get("text", ""), ch.get("finish_reason"),
                                       logprobs=ch.get("logprobs")))
+        if prompt_tokens is not None:
+            await send({"object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+                        "model": model, "choices": [], "usage": _usage(prompt_tokens, completion)})
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
         return out
@@ -186,10 +214,14 @@ def _chunk(chat: bool, model, text: str, finish, first: bool = False, logprobs=N
     return {"object": "text_completion", "created": int(time.time()), "model": model, "choices": [choice]}
 
 
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
 def _whole(chat: bool, model, text: str, finish, prompt_tokens: int, completion_tokens: int,
            logprobs: dict | None = None) -> dict:
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-             "total_tokens": prompt_tokens + completion_tokens}
+    usage = _usage(prompt_tokens, completion_tokens)
     if chat:
         return {"object": "chat.completion", "created": int(time.time()), "model": model, "usage": usage,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}]}
@@ -217,10 +249,15 @@ def app(proxy: Proxy) -> web.Application:
             return web.json_response({"error": {"message": f"malformed request or upstream answer: {e!r}"}},
                                      status=400)
 
+    async def health(_):
+        return web.Response(text="ok")
+
     a = web.Application()
-    a.router.add_post("/v1/completions", lambda r: route(r, False))
-    a.router.add_post("/v1/chat/completions", lambda r: route(r, True))
-    a.router.add_get("/health", lambda r: web.Response(text="ok"))
+    a.router.add_post("/v1/completions", functools.partial(route, chat=False))
+    a.router.add_post("/v1/chat/completions", functools.partial(route, chat=True))
+    a.router.add_get("/health", health)
+    for method, path in (("GET", "/v1/models"), ("POST", "/tokenize"), ("POST", "/detokenize")):
+        a.router.add_route(method, path, proxy.forward)  # the prefill instance's (the same model and tokenizer)
     a.on_startup.append(start)
     a.on_cleanup.append(stop)
     return a

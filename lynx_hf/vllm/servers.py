@@ -1,5 +1,5 @@
 """Two `vllm serve` instances running LynxConnector, started as the README's "Online" commands do, with small
-settings that fit CI: `--max-model-len 1536`, 64 sequences, 32-token blocks, the in-process `uni` executor and
+settings that fit CI: `--max-model-len 1536`, 64 sequences, 64-token blocks (whole codec segments), the in-process `uni` executor and
 1 GiB of KV (`VLLM_CPU_KVCACHE_SPACE`). Used by `python -m lynx_hf.vllm.bench` and the slow tests' scripts
 (tests/vllm_traffic.py, tests/vllm_chi2.py). No vLLM import here: the servers are subprocesses of
 `sys.executable`, which must be the vLLM environment's Python."""
@@ -29,7 +29,7 @@ def serve(model, port, kv_port, role, secret, log, extra_args=(), bandwidth_mbps
           "kv_load_failure_policy": "fail", "kv_connector_extra_config": extra}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
            "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--max-model-len", "1536",
-           "--max-num-seqs", "64", "--block-size", "32", "--distributed-executor-backend", "uni",
+           "--max-num-seqs", "64", "--block-size", "64", "--distributed-executor-backend", "uni",
            "--kv-transfer-config", json.dumps(kv), *extra_args]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -5,9 +5,13 @@ drive them alone.
 
 Wire (docs/vllm.md): lynx-hf's frames, handshake and MACs (transfer/wire.py, transfer/auth.py), TCP, paced by
 the link emulator's NIC (one per publisher, shared by its connections). After the handshake the decode side sends
-REQUEST {xfer, quant_config, spec}; the prefill side answers PROMPT {xfer, quant_config, spec, segments} — or ERROR
-(unknown transfer, codec or geometry mismatch) — then every anchor SEGMENT (priority 0), every residual SEGMENT
-(priority 1) and END. A segment is one layer's K or V over `SEGMENT_TOKENS` positions, packed as `serde` packs it.
+REQUEST {xfer, quant_config, spec, digest, start}; the prefill side answers PROMPT {xfer, quant_config, spec, start,
+segments} — or ERROR (unknown transfer, codec or geometry mismatch) — then every anchor SEGMENT (priority 0), every
+residual SEGMENT (priority 1) and END. A segment is one layer's K or V over `segment_tokens(config)` positions of an
+absolute grid (0, u, 2u, ...), packed as `serde` packs it: whole chunks (and KIVI groups), so a segment's code is a
+function of its own positions' KV and a full segment encodes alike in every prompt that holds it (the decode
+instance's cached blocks stand for what a later transfer would ship). `start` is the first position the decode
+instance lacks (its local prefix hit); the publisher streams the segments from the one holding it.
 
 Bounds: a publisher holds at most `max_bytes` of encoded transfers (oldest unclaimed evicted first, and any left
 unclaimed `ttl_s` seconds) and `MAX_REFUSALS` refusals. A subscriber holds one transfer's codes (its spec bounds
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import socket
 import threading
 import time
@@ -75,18 +80,18 @@ class KVSpec:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
-    def segments(self, split: bool) -> tuple[int, int]:
-        """(anchor, residual) SEGMENT frames a transfer carries."""
-        n = self.layers * 2 * len(segment_counts(self.prompt_len))
-        return n, n if split else 0
+    def segments(self, config: LynxQuantConfig, start: int = 0) -> tuple[int, int]:
+        """(anchor, residual) SEGMENT frames a transfer carries from position `start` (a multiple of the grid's)."""
+        n = self.layers * 2 * len(segment_counts(self.prompt_len - start, segment_tokens(config)))
+        return n, n if codec(config).split else 0
 
     def frame_limit(self, config: LynxQuantConfig) -> int:
-        return max(segment_bound(config, kind, (1, self.kv_heads, SEGMENT_TOKENS, self.head_dim), self.torch_dtype)
-                   for kind in ("key", "value")) + 64
+        shape = (1, self.kv_heads, segment_tokens(config), self.head_dim)
+        return max(segment_bound(config, kind, shape, self.torch_dtype) for kind in ("key", "value")) + 64
 
     def held_bound(self, config: LynxQuantConfig) -> int:
         """Bytes a subscriber may hold for one such transfer: every segment at its frame bound."""
-        return sum(self.segments(codec(config).split)) * self.frame_limit(config)
+        return sum(self.segments(config)) * self.frame_limit(config)
 
 
 def token_digest(ids) -> str:
@@ -105,22 +110,41 @@ def check_xfer_id(xfer) -> str:
     return xfer
 
 
+def segment_tokens(config: LynxQuantConfig) -> int:
+    """Positions per SEGMENT on the vLLM stream's grid: the codec's unit (whole μ/σ chunks, KIVI groups, paper's γ
+    pages), so nothing the codec computes spans two segments. A vLLM block must hold whole segments."""
+    unit = math.lcm(config.chunk_size, config.group_size, config.page_size if config.method == "paper" else 1)
+    if unit > SEGMENT_TOKENS:
+        raise ConfigError(f"the vLLM stream's segment (lcm of chunk_size {config.chunk_size}, group_size "
+                          f"{config.group_size}) is {unit} tokens, over its {SEGMENT_TOKENS}")
+    return unit
+
+
+def stream_tier(x: torch.Tensor, config: LynxQuantConfig, kind: str, layer: tuple, tier: str) -> torch.Tensor:
+    """What a decode instance holds of x [1, H_kv, P, D] once `tier` landed: the grid's segments, each encoded
+    alone (as encode_layer does), dequantized and joined — the reference the tests compare placed blocks with."""
+    u = segment_tokens(config)
+    return torch.cat([dequantize(encode(x[:, :, o:o + u].contiguous(), config, kind, layer=layer), tier)
+                      for o in range(0, x.shape[2], u)], 2)
+
+
 def encode_layer(config: LynxQuantConfig, layer: int, num_layers: int, k: torch.Tensor, v: torch.Tensor):
-    """One layer's prompt KV (k, v: [1, H_kv, P, D]) → [(stream, payload)] SEGMENT payloads, anchor ones first."""
-    out = {Stream.ANCHOR: [], Stream.RESIDUAL: []}
+    """One layer's prompt KV (k, v: [1, H_kv, P, D]) → [(stream, start, payload)] SEGMENT payloads on the grid,
+    anchor ones first."""
+    out, u = {Stream.ANCHOR: [], Stream.RESIDUAL: []}, segment_tokens(config)
     for kind, x in (("key", k), ("value", v)):
-        for off in range(0, x.shape[2], SEGMENT_TOKENS):
-            s = encode(x[:, :, off:off + SEGMENT_TOKENS].contiguous(), config, kind, layer=(layer, num_layers))
-            out[Stream.ANCHOR].append(pack_segment(layer, kind, off, s, "anchor"))
+        for off in range(0, x.shape[2], u):
+            s = encode(x[:, :, off:off + u].contiguous(), config, kind, layer=(layer, num_layers))
+            out[Stream.ANCHOR].append((off, pack_segment(layer, kind, off, s, "anchor")))
             if s.residual is not None:
-                out[Stream.RESIDUAL].append(pack_segment(layer, kind, off, s, "residual"))
-    return [(Stream.ANCHOR, p) for p in out[Stream.ANCHOR]] + [(Stream.RESIDUAL, p) for p in out[Stream.RESIDUAL]]
+                out[Stream.RESIDUAL].append((off, pack_segment(layer, kind, off, s, "residual")))
+    return [(st, off, p) for st in (Stream.ANCHOR, Stream.RESIDUAL) for off, p in out[st]]
 
 
 class _Entry:
     def __init__(self, config: LynxQuantConfig, spec: KVSpec, digest: str):
         self.config, self.spec, self.digest = config, spec, digest
-        self.frames: list[tuple[Stream, bytes]] = []
+        self.frames: list[tuple[Stream, int, bytes]] = []  # (stream, first position, payload)
         self.nbytes, self.done, self.claimed, self.born = 0, False, False, time.monotonic()
         self.error: str | None = None  # a refused transfer: what its subscriber hears instead of KV
 
@@ -156,7 +180,8 @@ class KVPublisher:
             self._entries[xfer] = _Entry(config, spec, digest)
 
     def add(self, xfer: str, frames: list) -> None:
-        size = sum(len(p) for _, p in frames)
+        """frames: encode_layer's, one layer's."""
+        size = sum(len(p) for _, _, p in frames)
         with self._cv:
             e = self._entries.get(xfer)
             if e is None:
@@ -259,9 +284,12 @@ class KVPublisher:
             link.close()
             self._slots.release()
 
-    def _claim(self, req: dict) -> tuple[str, _Entry]:
+    def _claim(self, req: dict) -> tuple[str, _Entry, int]:
+        """→ (xfer, its entry, the first position streamed: the grid's segment holding the REQUEST's `start`)."""
         xfer = check_xfer_id(req.get("xfer"))
-        spec = KVSpec.from_dict(req.get("spec"))
+        spec, start = KVSpec.from_dict(req.get("spec")), req.get("start")
+        if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start < spec.prompt_len:
+            raise WireError(f"start must be an int in [0, {spec.prompt_len}), got {quote_peer(start, 40)}")
         try:
             config = LynxQuantConfig.from_dict(req.get("quant_config"))
         except (ConfigError, TypeError) as e:
@@ -286,13 +314,13 @@ class KVPublisher:
                 raise StreamError(f"KV geometry mismatch: the prefill instance has {asdict(e.spec)}, the decode "
                                   f"instance expects {asdict(spec)}")
             e.claimed = True
-        return xfer, e
+        return xfer, e, start - start % segment_tokens(config)
 
     def _stream(self, ch: Channel, req: dict) -> str:
-        xfer, e = self._claim(req)
-        n_anchor, n_res = e.spec.segments(codec(e.config).split)
+        xfer, e, first = self._claim(req)
+        n_anchor, n_res = e.spec.segments(e.config, first)
         ch.send_json(FrameType.PROMPT, {"xfer": xfer, "quant_config": e.config.to_dict(), "spec": asdict(e.spec),
-                                        "segments": {"anchor": n_anchor, "residual": n_res}})
+                                        "start": first, "segments": {"anchor": n_anchor, "residual": n_res}})
         sent, futs = 0, []
         while True:
             with self._cv:
@@ -300,7 +328,9 @@ class KVPublisher:
                     if not self._cv.wait(self.timeout_s):
                         raise StreamError(f"transfer {xfer!r}: the prefill instance stopped producing it")
                 batch, done = e.frames[sent:], e.done
-            for stream, payload in batch:
+            for stream, off, payload in batch:
+                if off < first:
+                    continue  # the decode instance holds it (its prefix hit)
                 prio = PRIO_ANCHOR if stream == Stream.ANCHOR else PRIO_RESIDUAL
                 futs.append(ch.send_binary(FrameType.SEGMENT, stream, 0, payload, prio))
             sent += len(batch)
@@ -342,12 +372,19 @@ class Subscription:
     [1, H_kv, count, D]. `anchor_done` / `full_done` say when a tier is held whole; `error` says why it failed."""
 
     def __init__(self, host: str, port: int, secret: bytes, fingerprint: str, xfer: str, config: LynxQuantConfig,
-                 spec: KVSpec, digest: str, timeout_s: float = 60.0, connect_timeout_s: float = 10.0):
+                 spec: KVSpec, digest: str, timeout_s: float = 60.0, connect_timeout_s: float = 10.0,
+                 start: int = 0):
+        """start: the first position this instance lacks (its local prefix hit); the stream starts at the grid's
+        segment that holds it."""
         self.addr, self.secret, self.fp, self.digest = (host, port), secret, fingerprint, digest
         self.xfer, self.config, self.spec = check_xfer_id(xfer), config, spec
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self.split = codec(config).split
-        self.expected = spec.segments(self.split)
+        if not isinstance(start, int) or not 0 <= start < spec.prompt_len:
+            raise ValueError(f"start must be in [0, {spec.prompt_len}), got {start!r}")
+        self.unit, self.start = segment_tokens(config), start
+        self.first = start - start % self.unit  # the first position streamed
+        self.expected = spec.segments(config, self.first)
         self.pieces = self.expected[0]  # per tier: one piece per (layer, kind, start)
         self.error: str | None = None
         self._bytes_in = {Stream.ANCHOR: 0, Stream.RESIDUAL: 0}
@@ -403,7 +440,7 @@ class Subscription:
             self._ch = ch = Channel(t)
             client_handshake(ch, self.secret, self.fp, self.connect_timeout_s)
             ch.send_json(FrameType.REQUEST, {"xfer": self.xfer, "quant_config": self.config.to_dict(),
-                                             "spec": asdict(self.spec), "digest": self.digest})
+                                             "spec": asdict(self.spec), "digest": self.digest, "start": self.start})
             self._check_prompt(ch.recv(self.timeout_s, FrameType.PROMPT, MAX_JSON).json())
             self._receive(ch)
         except (WireError, ConnectionError, TimeoutError, OSError) as e:
@@ -424,8 +461,8 @@ class Subscription:
         if not isinstance(p, dict):
             raise WireError("PROMPT must be a JSON object")
         if p.get("xfer") != self.xfer or p.get("quant_config") != self.config.to_dict() \
-                or p.get("spec") != asdict(self.spec):
-            raise WireError("PROMPT does not match the request (transfer, codec or geometry)")
+                or p.get("spec") != asdict(self.spec) or p.get("start") != self.first:
+            raise WireError("PROMPT does not match the request (transfer, codec, geometry or start)")
         want = {"anchor": self.expected[0], "residual": self.expected[1]}
         if p.get("segments") != want:
             raise WireError(f"PROMPT declares {p.get('segments')} segments, expected {want}")
@@ -456,8 +493,8 @@ class Subscription:
     def _check_place(self, a: Arrival) -> None:
         P = self.spec.prompt_len
         key = (a.stream, a.layer, a.kind, a.start)
-        if a.layer >= self.spec.layers or a.start % SEGMENT_TOKENS or a.start >= P \
-                or a.count != min(SEGMENT_TOKENS, P - a.start):
+        if a.layer >= self.spec.layers or a.start % self.unit or not self.first <= a.start < P \
+                or a.count != min(self.unit, P - a.start):
             raise WireError(f"segment layer {a.layer} [{a.start}, {a.start + a.count}) is off the transfer's grid")
         if key in self._seen:
             raise WireError(f"segment layer {a.layer} {a.kind} at {a.start} arrived twice")

@@ -126,6 +126,7 @@ class WorkerSide:
         self._subs: dict[str, Subscription] = {}
         self._loads: dict[str, _Load] = {}     # loads not reported yet
         self._decoding: dict[str, _Load] = {}  # shadows decoding: their prompt KV upgraded as the residual lands
+        self._real: dict[str, LoadMeta] = {}     # xfer -> its real request's load (its prefix hit: the shadows')
         self._step_end: float | None = None     # when the last `results` call returned (its forward ran since)
         self._stats: dict[str, dict] = {}
         self._unsaved: set[str] = set()
@@ -158,6 +159,8 @@ class WorkerSide:
         """No more writes into these requests' blocks (preempted, finished or aborted)."""
         for rid in req_ids:
             self._decoding.pop(rid, None)
+            for xfer in [x for x, m in self._real.items() if m.req_id == rid]:
+                del self._real[xfer]  # its blocks are vLLM's again: no shadow copies from them
             if rid in self._loads:
                 self._loads[rid].aborted = True
 
@@ -171,6 +174,7 @@ class WorkerSide:
             except (ValueError, RuntimeError) as e:  # never the forward
                 log.warning("transfer %s: refusal not published: %s", xfer, e)
         for xfer in meta.closed:
+            self._real.pop(xfer, None)
             sub = self._subs.pop(xfer, None)
             if sub is not None:
                 sub.close()
@@ -215,18 +219,43 @@ class WorkerSide:
         self._loads[m.req_id] = _Load(m)
         if m.error is not None:
             return
+        if m.tier == "full":
+            self._real[m.xfer] = m
+        elif m.xfer in self._real:
+            self._share_prefix(m, self._real[m.xfer])
+            if m.error is not None:
+                return
         sub = self._subs.get(m.xfer)
         if sub is not None:  # another member's: the same prompt, codec and geometry, or this load fails
             if (sub.digest, sub.config, sub.spec) != (m.digest, codec_config(self.base, m.method),
                                                       self.spec(m.prompt_len)):
                 m.error = f"transfer {m.xfer!r} is another prompt's, codec's or length's"
+            elif sub.first > m.start:
+                m.error = f"transfer {m.xfer!r} streams from position {sub.first}, and its real request's blocks " \
+                          f"below it are gone"
             return
         try:
             self._subs[m.xfer] = Subscription(m.host, m.port, self.secret, self.fp, m.xfer,
                                               codec_config(self.base, m.method), self.spec(m.prompt_len), m.digest,
-                                              self.timeout_s)
+                                              self.timeout_s, start=m.start)
         except (ValueError, OSError) as e:
             m.error = f"transfer {m.xfer!r} could not start: {e}"
+
+    def _share_prefix(self, m: LoadMeta, real: LoadMeta) -> None:
+        """A shadow of a transfer whose real request hit its local prefix cache: the shadow's positions below that
+        hit are copied from R's blocks (the full tier, cached by an earlier turn), so it drafts on full-tier KV
+        wherever the decode instance holds it and on the anchor tier only beyond (as the HF path's delta turns)."""
+        if real.start <= m.start:
+            return
+        bs = self.paged[0].cache.shape[2]
+        lo, hi = m.start // bs, real.start // bs  # (both block-aligned: vLLM's prefix hits are whole blocks)
+        try:
+            for layer in self.paged:
+                paged.copy_blocks(layer, real.block_ids[lo:hi], m.block_ids[lo:hi])
+        except ValueError as e:
+            m.error = f"transfer {m.xfer!r}: its real request's prefix could not be shared: {e}"
+            return
+        m.start = real.start  # the stream's pieces below it are never placed into this shadow
 
     def _place(self, budget_s: float) -> None:
         """Place held pieces into the loads' blocks, for at most `budget_s` (at least one piece)."""
