@@ -122,6 +122,24 @@ def test_traffic_through_two_vllm_serve_and_the_proxy():
 
 
 @pytest.mark.slow
+def test_vllms_own_benchmark_client_counts_exactly_the_tokens_generated_through_the_proxy():
+    """`vllm bench serve` (vllm.benchmarks.serve: openai backend, /v1/completions, random 512-token prompts, 32 out,
+    --ignore-eos) against the proxy, Lynx with two shadows and INT8: every request completes, the usage chunk counts
+    its 32 tokens, and the text it streamed re-tokenizes to about 32 (never the prompt's text: issue 64 item 7)."""
+    model = _embedded_model()
+    p = subprocess.run([str(VPY), str(ROOT / "tests" / "vllm_bench_client.py"), model, str(_free_ports(38900, 5))],
+                       capture_output=True, text=True, timeout=1200, cwd=ROOT)
+    lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
+    assert p.returncode == 0 and lines, (p.stdout + p.stderr)[-3000:]
+    r = json.loads(lines[-1])
+    for arm in ("lynx", "int8"):
+        a = r[arm]
+        assert a["completed"] == 4 and a["errors"] == [], a
+        assert a["output_lens"] == [32] * 4 and a["total_output_tokens"] == 128, a  # from the usage chunk
+        assert all(abs(n - 32) <= 8 for n in a["text_tokens"]), a  # re-tokenizing text shifts a boundary or two
+
+
+@pytest.mark.slow
 def test_chi2_sampled_lynx_requests_in_vllm_follow_full_tier_decoding():
     """260 sampled requests of 9 tokens (temperature 0.8, top-k 20, top-p 0.9) through two `vllm serve` and the proxy,
     one shadow each: the 2,080 tokens the decode instance drew follow the full-tier distribution (χ² p > 1e-3), and
