@@ -165,13 +165,14 @@ def judge_rows(rows: list[dict], alone: dict) -> None:
 # -- against the servers ---------------------------------------------------------------------------------------
 async def one(session, url: str, body: dict, due: float, n32: int) -> dict:
     """Stream one request; times from `due` (perf_counter). Never raises: a failure is the row's `error`."""
-    from .proxy import sse
+    from .proxy import XFER_HEADER, sse
 
     row = {"greedy": body["temperature"] == 0, "prompt_len": len(body["prompt"]), "sent_s": time.perf_counter() - due,
-           "ttft_s": None, "tt2t_s": None, "tt32t_s": None, "tokens": 0, "finish": None, "error": None}
+           "ttft_s": None, "tt2t_s": None, "tt32t_s": None, "tokens": 0, "finish": None, "error": None, "xfer": None}
     ids, top, times = [], [], []
     try:
         async with session.post(url, json=body) as r:
+            row["xfer"] = r.headers.get(XFER_HEADER)
             if r.status != 200:
                 raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
             async for c in sse(r.content):
@@ -316,6 +317,12 @@ def _args(argv):
     ap.add_argument("--timeout-s", type=seconds(), default=600.0, help="per request (default 600)")
     ap.add_argument("--out-dir", default="runs")
     ap.add_argument("--json", action="store_true", help="the table on stderr; end with one JSON line")
+    ap.add_argument("--trace", help="replay agents' conversations from a Mooncake-format JSONL trace instead "
+                                    "(bench_trace.py; prefix caching on; --rate: conversations a second)")
+    ap.add_argument("--trace-scale", type=tokens(lo=8, hi=512), default=32,
+                    help="text tokens per 512-token trace block, lengths likewise (default 32)")
+    ap.add_argument("--trace-conversations", type=count(100), default=3,
+                    help="the first N conversations of >= 2 turns that fit (default 3: ~15 minutes here)")
     a = ap.parse_args(argv)
     if a.prompt_min > a.prompt_max:
         ap.error(f"--prompt-min {a.prompt_min} is above --prompt-max {a.prompt_max}")
@@ -338,6 +345,8 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(a.model)(default_prompt_text()).input_ids
+    if a.trace:
+        return main_trace(a, ids, say)
     try:
         reqs = plan(ids, a.requests, a.seed, a.prompt_min, a.prompt_max, a.new_tokens, a.model)
     except ValueError as e:
@@ -382,6 +391,40 @@ def main(argv=None) -> int:
     plot(arms, out / "vllm_bench.png", f"Lynx in vLLM under load: {a.requests} requests at {a.rate:g}/s, "
          f"{a.bandwidth_mbps:g} Mbit/s, {a.new_tokens} new tokens")
     say(f"wrote {out / 'vllm_bench.json'} and {out / 'vllm_bench.png'}")
+    if a.json:
+        print(json.dumps(s), flush=True)
+    return 0
+
+
+def main_trace(a, ids: list, say) -> int:
+    """--trace: bench_trace.py's replay on servers with prefix caching on and the decode side's transfer log."""
+    import asyncio
+    import secrets
+
+    from . import bench_trace
+
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    engines = (f"http://127.0.0.1:{a.port}", f"http://127.0.0.1:{a.port + 1}")
+    log_path, xlog = out / "vllm_bench_servers.log", out / "vllm_bench_transfers.jsonl"
+    xlog.unlink(missing_ok=True)
+    flags, dev = ["--no-enable-chunked-prefill"], {"VLLM_SERVER_DEV_MODE": "1"}  # (ENGINE_FLAGS' reason)
+    with open(log_path, "w") as log:
+        secret = secrets.token_hex(16)
+        kw = dict(max_model_len=bench_trace.TRACE_MAX_LEN, env=dev)
+        procs = [serve(a.model, a.port, a.port + 2, "kv_producer", secret, log, flags, a.bandwidth_mbps, **kw),
+                 serve(a.model, a.port + 1, a.port + 2, "kv_consumer", secret, log,
+                       [*flags, *speculative(a.num_speculative_tokens)], more={"transfer_log": str(xlog)}, **kw)]
+        try:
+            for e in engines:
+                wait_up(f"{e}/health", procs)
+            s, detail = asyncio.run(bench_trace.run(a, engines, ids, xlog, say))
+        except (RuntimeError, ValueError) as e:
+            say(f"vllm-bench --trace: {e} (the servers' log: {log_path})")
+            return 1
+        finally:
+            stop(procs)
+    bench_trace.report(s, detail, out, say)
     if a.json:
         print(json.dumps(s), flush=True)
     return 0

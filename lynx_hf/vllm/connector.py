@@ -12,7 +12,9 @@ copies waiting for the encoder thread; `ttl_s` how long the prefill instance kee
 nobody claimed (default 600); `timeout_s` how long the decode side waits for a frame, or a shadow for its real
 request; `drain_ms` the time a step may spend placing arrived KV into blocks — the longer of this (default 20) and
 the last forward's time, so a fast link never stalls the batch; `quant` the codec's fields other than its method
-(both instances must agree); `secret` or $LYNX_SECRET, or `insecure: true` on loopback only.
+(both instances must agree); `secret` or $LYNX_SECRET, or `insecure: true` on loopback only; `transfer_log` (decode,
+optional) a file each finished Lynx request appends one JSON line to: its kv_transfer_params (xfer, tier, the first
+position shipped, prompt length, bytes received and arrival times), what a streamed response cannot carry.
 
 Refused at start, with the reason: tensor, pipeline or data parallelism (every rank would bind one port), an fp8 or
 other quantized KV cache (the codec reads and writes the model's dtype), async scheduling (the connector's step
@@ -137,6 +139,7 @@ class LynxConnector(KVConnectorBase_V1):
                 check_block_size(block_size, codec_config(base, "lynx"))
             self._sched = SchedulerSide(self.kv_role, base, _geometry(vllm_config), held,
                                         float(extra.get("timeout_s", 60)), salted=salted, block_size=block_size)
+            self._log = open(extra["transfer_log"], "a", buffering=1) if extra.get("transfer_log") else None
             return
         from .fixes import install_expand_fix
 
@@ -242,4 +245,7 @@ class LynxConnector(KVConnectorBase_V1):
             self._sched.worker_meta(meta.stats)
 
     def request_finished(self, request, block_ids: list[int]):
-        return False, self._sched.finished(request.request_id, request.kv_transfer_params)
+        params = self._sched.finished(request.request_id, request.kv_transfer_params)
+        if params is not None and self._log is not None:
+            self._log.write(json.dumps(params["lynx"]) + "\n")
+        return False, params

@@ -462,7 +462,8 @@ class SchedulerSide:
                 self._end(xfer)
         if load is None or load.error is not None:
             return None
-        return {"lynx": {"xfer": load.xfer, "tier": load.tier, **(stats or {})}}
+        return {"lynx": {"xfer": load.xfer, "tier": load.tier, "start": load.start, "prompt_len": load.prompt_len,
+                         **(stats or {})}}
 
     def _end(self, xfer: str) -> None:
         self.held -= self._xfers.pop(xfer).bound

@@ -9,7 +9,9 @@ salt, output discarded, closed when the real request ends; two, as LynxPD sends 
 streamed back. Concurrent requests are batched by vLLM. A failed upstream request ends the client's request with
 an error naming it; the proxy serves on. `logprobs` (an int, /v1/completions) comes back for every token, the
 prefill's first one included. A shadow samples as its real request does, with a seed of its own where the request
-names one (a draft must not share the randomness that verifies it). `--shadows 0` turns drafting off."""
+names one (a draft must not share the randomness that verifies it). `--shadows 0` turns drafting off.
+Every answer names its transfer in the `X-Lynx-Xfer` header, the key of the decode instance's `transfer_log` lines
+(connector.py): what the request shipped, for an operator's accounting and vllm-bench's."""
 from __future__ import annotations
 
 import argparse
@@ -25,6 +27,7 @@ from .fixes import topk_only_broken, topk_only_refusal
 from .hooks import full_salt
 from .pd import shadow_seed
 
+XFER_HEADER = "X-Lynx-Xfer"
 PASS = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "repetition_penalty",
         "presence_penalty", "frequency_penalty", "min_tokens", "return_tokens_as_token_ids")
 
@@ -138,26 +141,28 @@ class Proxy:
         real = {"model": model, "prompt": ids1, "max_tokens": max_tokens - 1, "stream": stream, **sampling,
                 "cache_salt": full_salt(self.method), "kv_transfer_params": {"lynx": {**kv, "tier": "full"}}}
         try:
+            head = {XFER_HEADER: xfer}  # (the decode instance's transfer_log names it: what this answer shipped)
             if max_tokens == 1:
                 return web.json_response(_whole(chat, model, first_text, c0.get("finish_reason"), len(ids), 1,
-                                                c0.get("logprobs")))
+                                                c0.get("logprobs")), headers=head)
             if not stream:
                 r = await self._post(f"{self.decode}/v1/completions", real)
                 c = r["choices"][0]
                 return web.json_response(_whole(chat, model, first_text + c["text"], c["finish_reason"], len(ids),
                                                 1 + r.get("usage", {}).get("completion_tokens", 0),
-                                                _joined(c0.get("logprobs"), c.get("logprobs"), len(first_text))))
+                                                _joined(c0.get("logprobs"), c.get("logprobs"), len(first_text))),
+                                         headers=head)
             real["stream_options"] = {"include_usage": True}  # (R's token count, for the client's usage chunk)
-            return await self._stream(request, chat, model, c0, real, len(ids) if usage else None)
+            return await self._stream(request, chat, model, c0, real, len(ids) if usage else None, head)
         finally:
             for t in shadows:
                 t.cancel()
 
     async def _stream(self, request, chat: bool, model, c0: dict, real: dict,
-                      prompt_tokens: int | None) -> web.StreamResponse:
+                      prompt_tokens: int | None, head: dict) -> web.StreamResponse:
         """prompt_tokens: the client asked for a usage chunk (stream_options.include_usage): it comes last, as vLLM
         and OpenAI send it, counting the prefill's token and R's."""
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **head})
         await out.prepare(request)
         send = lambda obj: out.write(f"data: {json.dumps(obj)}\n\n".encode())  # noqa: E731
         await send(_chunk(chat, model, c0["text"], None, first=True, logprobs=c0.get("logprobs")))

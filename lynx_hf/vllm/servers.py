@@ -19,19 +19,21 @@ METRIC = re.compile(r"^([A-Za-z_:][\w:]*)(\{.*\})?\s+(\S+)")  # name, labels, va
 BUSY = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
-def serve(model, port, kv_port, role, secret, log, extra_args=(), bandwidth_mbps=100, quant: dict | None = None):
+def serve(model, port, kv_port, role, secret, log, extra_args=(), bandwidth_mbps=100, quant: dict | None = None,
+          max_model_len: int = 1536, more: dict | None = None, env: dict | None = None):
     """One `api_server` (kv_role `kv_producer` or `kv_consumer`) on 127.0.0.1:`port`; `kv_port` is the prefill
     instance's KV stream, paced at `bandwidth_mbps` (the producer's setting; 0 or None: unpaced); `quant`: the
-    codec's settings (LynxQuantConfig fields; both instances must pass the same)."""
+    codec's settings (LynxQuantConfig fields; both instances must pass the same); `more`: other connector settings
+    (e.g. `transfer_log`); `env`: added to the server's environment."""
     extra = {"host": "127.0.0.1", "port": kv_port, "secret": secret, "timeout_s": 120, "bandwidth_mbps": bandwidth_mbps,
-             **({"quant": quant} if quant else {})}
+             **({"quant": quant} if quant else {}), **(more or {})}
     kv = {"kv_connector": "LynxConnector", "kv_connector_module_path": "lynx_hf.vllm.connector", "kv_role": role,
           "kv_load_failure_policy": "fail", "kv_connector_extra_config": extra}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
-           "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--max-model-len", "1536",
+           "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len),
            "--max-num-seqs", "64", "--block-size", "64", "--distributed-executor-backend", "uni",
            "--kv-transfer-config", json.dumps(kv), *extra_args]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", **(env or {})}
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
