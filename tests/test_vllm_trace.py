@@ -14,8 +14,8 @@ ROWS = [{"timestamp": 0, "input_length": 1500, "output_length": 512, "hash_ids":
         {"timestamp": 15, "input_length": 100, "output_length": 1, "hash_ids": [7]}]
 
 
-def _write(tmp_path, rows, extra=""):
-    p = tmp_path / "t.jsonl"
+def _write(tmp_path, rows, extra="", name="t.jsonl"):
+    p = tmp_path / name
     p.write_text("".join(json.dumps(r) + "\n" for r in rows) + extra)
     return str(p)
 
@@ -59,3 +59,18 @@ def test_turn_stats_and_bytes_per_position():
     s = tr.turn_stats(rows, percentile)
     assert s == {"turns": 2, "ttft_p50_s": 1.5, "tt2t_p50_s": 2.5, "tt32t_p50_s": 4.0, "tt32t_p90_s": 4.8,
                  "kv_bytes_mean": 650, "new_kv_bytes_mean": 600}
+
+
+def test_vllm_bench_refuses_a_bad_trace_before_any_server_starts(tmp_path, capsys, monkeypatch):
+    from lynx_hf.vllm import bench
+
+    monkeypatch.setattr(bench, "serve", lambda *a, **k: pytest.fail("a server started"))
+    model = tmp_path / "m"
+    model.mkdir()
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained",
+                        lambda *_a, **_k: (lambda text: type("T", (), {"input_ids": list(range(9000))})()))
+    for path, word in ((str(tmp_path / "none.jsonl"), "No such file"), (_write(tmp_path, ROWS[:2], name="a"), "no conversation"),
+                       (_write(tmp_path, ROWS, "{bad\n", name="b"), "not JSON")):
+        with pytest.raises(SystemExit):
+            bench.main(["--model", str(model), "--trace", path, "--port", "19300"])
+        assert word in capsys.readouterr().err

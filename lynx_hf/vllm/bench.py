@@ -345,7 +345,15 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(a.model)(default_prompt_text()).input_ids
-    if a.trace:
+    if a.trace:  # (the trace is read and its window chosen before any server starts: a bad one fails at once)
+        from . import bench_trace, trace
+
+        try:
+            if not trace.conversations(trace.read_trace(a.trace), a.trace_conversations, a.trace_scale,
+                                       bench_trace.TRACE_MAX_LEN, a.new_tokens):
+                raise ValueError(f"no conversation of two turns fits {bench_trace.TRACE_MAX_LEN} tokens")
+        except (OSError, ValueError) as e:
+            ap.error(f"--trace {a.trace}: {e}")
         return main_trace(a, ids, say)
     try:
         reqs = plan(ids, a.requests, a.seed, a.prompt_min, a.prompt_max, a.new_tokens, a.model)
