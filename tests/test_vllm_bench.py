@@ -162,7 +162,8 @@ def test_bench_smoke_on_the_embedded_model(tmp_path):
     log = tmp_path / "vllm_bench_servers.log"
     assert p.returncode == 0 and lines, p.stderr[-3000:] + (log.read_text()[-3000:] if log.exists() else "")
     s = json.loads(lines[-1])
-    assert list(s) == ["requests", "rate_per_s", "preemptions", "methods"] and s["requests"] == 6
+    assert list(s) == ["requests", "rate_per_s", "preemptions", "methods", "cores"] and s["requests"] == 6
+    assert not set(s["cores"]["prefill"]) & set(s["cores"]["decode"])  # (this machine has two cores or more)
     assert set(s["methods"]) == {"lynx", "int8", "int4"}
     for name, m in s["methods"].items():
         assert set(m) == METHOD_KEYS, name
@@ -184,3 +185,15 @@ def test_the_engines_get_disjoint_halves_of_the_cores_and_none_below_two(monkeyp
     assert engine.disjoint_cores() == ([4], [7])
     monkeypatch.setattr(engine.os, "sched_getaffinity", lambda _: {0})
     assert engine.disjoint_cores() is None
+
+
+def test_the_engines_get_disjoint_halves_of_the_cores_unless_shared(monkeypatch):
+    from types import SimpleNamespace
+
+    from lynx_hf.vllm import engine
+
+    monkeypatch.setattr(engine.os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
+    assert bench.engine_cores(SimpleNamespace(shared_cores=False)) == {"prefill": [0, 1], "decode": [2, 3]}
+    assert bench.engine_cores(SimpleNamespace(shared_cores=True)) == {"prefill": None, "decode": None}
+    monkeypatch.setattr(engine.os, "sched_getaffinity", lambda _pid: {5})
+    assert bench.engine_cores(SimpleNamespace(shared_cores=False)) == {"prefill": None, "decode": None}

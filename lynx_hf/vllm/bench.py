@@ -317,6 +317,8 @@ def _args(argv):
     ap.add_argument("--timeout-s", type=seconds(), default=600.0, help="per request (default 600)")
     ap.add_argument("--out-dir", default="runs")
     ap.add_argument("--json", action="store_true", help="the table on stderr; end with one JSON line")
+    ap.add_argument("--shared-cores", action="store_true",
+                    help="both engines on all cores (default: disjoint halves, as two serving nodes have their own)")
     ap.add_argument("--trace", help="replay agents' conversations from a Mooncake-format JSONL trace instead "
                                     "(bench_trace.py; prefix caching on; --rate: conversations a second)")
     ap.add_argument("--trace-scale", type=tokens(lo=8, hi=512), default=32,
@@ -366,9 +368,11 @@ def main(argv=None) -> int:
     say(f"starting a prefill and a decode vllm serve ({a.model}; link {a.bandwidth_mbps:g} Mbit/s; log {log_path})")
     with open(log_path, "w") as log:
         secret = secrets.token_hex(16)  # one for both instances
-        procs = [serve(a.model, a.port, a.port + 2, "kv_producer", secret, log, ENGINE_FLAGS, a.bandwidth_mbps),
+        cores = engine_cores(a)
+        procs = [serve(a.model, a.port, a.port + 2, "kv_producer", secret, log, ENGINE_FLAGS, a.bandwidth_mbps,
+                       cores=cores["prefill"]),
                  serve(a.model, a.port + 1, a.port + 2, "kv_consumer", secret, log,
-                       [*ENGINE_FLAGS, *speculative(a.num_speculative_tokens)])]
+                       [*ENGINE_FLAGS, *speculative(a.num_speculative_tokens)], cores=cores["decode"])]
         try:
             for e in engines:
                 wait_up(f"{e}/health", procs)
@@ -379,11 +383,12 @@ def main(argv=None) -> int:
         finally:
             stop(procs)
     arms = res["arms"]
-    s = summary(a.requests, a.rate, {k: arm_stats(arms[k]["rows"], arms[k]["span_s"], arms[k]["deltas"])
-                                     for k in MEASURED})
+    s = {**summary(a.requests, a.rate, {k: arm_stats(arms[k]["rows"], arms[k]["span_s"], arms[k]["deltas"])
+                                        for k in MEASURED}), "cores": cores}
     tt2t = {k: percentile([r["tt2t_s"] for r in arms[k]["rows"] if r["error"] is None], 50) for k in MEASURED}
     say(f"\n{a.requests} requests at {a.rate:g}/s (Poisson, seed {a.seed}), {a.new_tokens} new tokens, prompts "
-        f"{a.prompt_min}..{a.prompt_max} tokens, {a.bandwidth_mbps:g} Mbit/s; arms in the order {res['order']}; "
+        f"{a.prompt_min}..{a.prompt_max} tokens, {a.bandwidth_mbps:g} Mbit/s; engines' cores: prefill "
+        f"{cores['prefill'] or 'all'}, decode {cores['decode'] or 'all'}; arms in the order {res['order']}; "
         f"seconds from each request's scheduled arrival; this machine's 1-min load average at each arm's start and "
         f"end: " + ", ".join(f"{k} {arms[k]['loadavg_1min'][0]:.1f}/{arms[k]['loadavg_1min'][1]:.1f}"
                              for k in res["order"]) + "\n" + table(s, tt2t))
@@ -404,6 +409,15 @@ def main(argv=None) -> int:
     return 0
 
 
+def engine_cores(a) -> dict:
+    """{"prefill": cores, "decode": cores}: disjoint halves of this process's cores by default (None each with
+    --shared-cores or below two cores: both engines anywhere, as before)."""
+    from .engine import disjoint_cores
+
+    split = None if a.shared_cores else disjoint_cores()
+    return {"prefill": split[0], "decode": split[1]} if split else {"prefill": None, "decode": None}
+
+
 def main_trace(a, ids: list, say) -> int:
     """--trace: bench_trace.py's replay on servers with prefix caching on and the decode side's transfer log."""
     import asyncio
@@ -419,10 +433,12 @@ def main_trace(a, ids: list, say) -> int:
     flags, dev = ["--no-enable-chunked-prefill"], {"VLLM_SERVER_DEV_MODE": "1"}  # (ENGINE_FLAGS' reason)
     with open(log_path, "w") as log:
         secret = secrets.token_hex(16)
-        kw = dict(max_model_len=bench_trace.TRACE_MAX_LEN, env=dev)
-        procs = [serve(a.model, a.port, a.port + 2, "kv_producer", secret, log, flags, a.bandwidth_mbps, **kw),
+        kw, cores = dict(max_model_len=bench_trace.TRACE_MAX_LEN, env=dev), engine_cores(a)
+        procs = [serve(a.model, a.port, a.port + 2, "kv_producer", secret, log, flags, a.bandwidth_mbps, **kw,
+                       cores=cores["prefill"]),
                  serve(a.model, a.port + 1, a.port + 2, "kv_consumer", secret, log,
-                       [*flags, *speculative(a.num_speculative_tokens)], more={"transfer_log": str(xlog)}, **kw)]
+                       [*flags, *speculative(a.num_speculative_tokens)], more={"transfer_log": str(xlog)}, **kw,
+                       cores=cores["decode"])]
         try:
             for e in engines:
                 wait_up(f"{e}/health", procs)
@@ -432,6 +448,7 @@ def main_trace(a, ids: list, say) -> int:
             return 1
         finally:
             stop(procs)
+    s["cores"] = cores
     bench_trace.report(s, detail, out, say)
     if a.json:
         print(json.dumps(s), flush=True)

@@ -20,11 +20,12 @@ BUSY = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
 def serve(model, port, kv_port, role, secret, log, extra_args=(), bandwidth_mbps=100, quant: dict | None = None,
-          max_model_len: int = 1536, more: dict | None = None, env: dict | None = None):
+          max_model_len: int = 1536, more: dict | None = None, env: dict | None = None, cores: list | None = None):
     """One `api_server` (kv_role `kv_producer` or `kv_consumer`) on 127.0.0.1:`port`; `kv_port` is the prefill
     instance's KV stream, paced at `bandwidth_mbps` (the producer's setting; 0 or None: unpaced); `quant`: the
     codec's settings (LynxQuantConfig fields; both instances must pass the same); `more`: other connector settings
-    (e.g. `transfer_log`); `env`: added to the server's environment."""
+    (e.g. `transfer_log`); `env`: added to the server's environment; `cores`: the CPU ids it may run on (None: all
+    of this process's), its OpenMP pool sized to them."""
     extra = {"host": "127.0.0.1", "port": kv_port, "secret": secret, "timeout_s": 120, "bandwidth_mbps": bandwidth_mbps,
              **({"quant": quant} if quant else {}), **(more or {})}
     kv = {"kv_connector": "LynxConnector", "kv_connector_module_path": "lynx_hf.vllm.connector", "kv_role": role,
@@ -33,8 +34,10 @@ def serve(model, port, kv_port, role, secret, log, extra_args=(), bandwidth_mbps
            "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len),
            "--max-num-seqs", "64", "--block-size", "64", "--distributed-executor-backend", "uni",
            "--kv-transfer-config", json.dumps(kv), *extra_args]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", **(env or {})}
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", **(env or {}),
+           **({"OMP_NUM_THREADS": str(len(cores))} if cores else {})}
+    pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None  # (in the child, before vLLM starts)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=pin)
 
 
 def speculative(k: int) -> list:
