@@ -83,10 +83,35 @@ def test_summary_names_the_json_line():
     methods = {k: bench.arm_stats([_row(0)], 5.0, {bench.PREEMPTED: n}) for n, k in enumerate(bench.MEASURED)}
     s = bench.summary(24, 0.2, methods)
     assert list(s) == ["requests", "rate_per_s", "preemptions", "methods"]
-    assert set(s["methods"]) == {"lynx", "int8", "int4"} and s["preemptions"] == 0 + 1 + 2
+    assert set(s["methods"]) == {"lynx", "ref", "int8", "int4"} and s["preemptions"] == 0 + 1 + 2 + 3
     assert all(set(m) == METHOD_KEYS for m in s["methods"].values())
     json.dumps(s)
-    assert "lynx" in bench.table(s, {"lynx": 2.0}) and len(bench.table(s, {}).splitlines()) == 4
+    assert "lynx" in bench.table(s, {"lynx": 2.0}) and len(bench.table(s, {}).splitlines()) == 5
+
+
+def _stats(tt32t_p50, ttft_p50=1.0, errors=0):
+    figures = {"ttft_p50_s": ttft_p50, "ttft_p90_s": 2 * ttft_p50, "tt32t_p50_s": tt32t_p50,
+               "tt32t_p90_s": 2 * tt32t_p50, "output_tokens_per_s": 10.0}
+    return {**figures, "greedy": 12, "greedy_exact": 12, "greedy_near_tie": 0, "errors": errors, "drafted": 5,
+            "accepted": 2, "preemptions": 1}
+
+
+def test_over_rounds_gives_medians_sums_and_paired_ratios():
+    rounds = [{"lynx": _stats(9.0), "ref": _stats(10.0), "int8": _stats(12.0), "int4": _stats(8.0)},
+              {"lynx": _stats(20.0, errors=1), "ref": _stats(16.0), "int8": _stats(20.0), "int4": _stats(9.0)},
+              {"lynx": _stats(11.0, ttft_p50=3.0), "ref": _stats(10.0), "int8": _stats(11.0), "int4": _stats(7.0)}]
+    methods, spread, ratios = bench.over_rounds(rounds)
+    assert set(methods) == {"lynx", "ref", "int8", "int4"} and all(set(m) == METHOD_KEYS for m in methods.values())
+    assert methods["lynx"]["tt32t_p50_s"] == 11.0 and methods["lynx"]["ttft_p50_s"] == 1.0  # medians of rounds
+    assert methods["lynx"]["errors"] == 1 and methods["lynx"]["greedy"] == 36  # counts: sums over rounds
+    assert spread["lynx"]["tt32t_p50_s"] == {"median": 11.0, "min": 9.0, "max": 20.0}
+    # ratios pair each round's own figures: lynx/int8 = 0.75, 1.0, 1.0 (not 11 / 12, the ratio of medians)
+    assert ratios["tt32t_p50_lynx_int8"] == {"median": 1.0, "min": 0.75, "max": 1.0}
+    assert ratios["tt32t_p50_lynx_ref"] == {"median": 1.1, "min": 0.9, "max": 1.25}
+    assert ratios["ttft_p90_lynx_ref"] == {"median": 1.0, "min": 1.0, "max": 3.0}
+    assert set(ratios) == {f"{m}_{q}_lynx_{b}" for m in ("ttft", "tt32t") for q in ("p50", "p90")
+                           for b in ("int8", "ref")}
+    json.dumps([methods, spread, ratios])
 
 
 def test_plan_cuts_disjoint_prompts_alternating_greedy_and_sampled():
@@ -147,7 +172,8 @@ def _vllm_ready() -> str | None:
 
 @pytest.mark.slow
 def test_bench_smoke_on_the_embedded_model(tmp_path):
-    """The whole bench, small: 6 requests of 16 tokens, prompts of 128..512 tokens, 3 arms, then the alone runs."""
+    """The whole bench, small: 6 requests of 16 tokens, prompts of 128..512 tokens, 4 arms, then the alone runs (one
+    per reference: ref, int8, int4)."""
     why = _vllm_ready()
     if why:
         pytest.skip(why)
@@ -162,17 +188,18 @@ def test_bench_smoke_on_the_embedded_model(tmp_path):
     log = tmp_path / "vllm_bench_servers.log"
     assert p.returncode == 0 and lines, p.stderr[-3000:] + (log.read_text()[-3000:] if log.exists() else "")
     s = json.loads(lines[-1])
-    assert list(s) == ["requests", "rate_per_s", "preemptions", "methods", "cores"] and s["requests"] == 6
+    assert list(s) == ["requests", "rate_per_s", "preemptions", "methods", "rounds", "ratios", "cores"]
+    assert s["requests"] == 6 and s["rounds"] == 1 and s["ratios"]["tt32t_p90_lynx_ref"]["median"] > 0
     assert not set(s["cores"]["prefill"]) & set(s["cores"]["decode"])  # (this machine has two cores or more)
-    assert set(s["methods"]) == {"lynx", "int8", "int4"}
+    assert set(s["methods"]) == {"lynx", "ref", "int8", "int4"}
     for name, m in s["methods"].items():
         assert set(m) == METHOD_KEYS, name
         assert m["errors"] == 0 and m["greedy"] == 3, (name, m)
         assert m["greedy_exact"] + m["greedy_near_tie"] == 3, (name, m)  # each greedy output: exact or a near-tie
         assert m["ttft_p50_s"] > 0 and m["tt32t_p50_s"] >= m["ttft_p50_s"] and m["output_tokens_per_s"] > 0
-    assert s["methods"]["int8"]["accepted"] == 0 == s["methods"]["int4"]["accepted"]  # no shadow, no drafts
+    assert all(s["methods"][k]["accepted"] == 0 for k in ("ref", "int8", "int4"))  # no shadow, no drafts
     full = json.loads((tmp_path / "vllm_bench.json").read_text())
-    assert len(full["rows"]) == 18 and len(full["alone"]) == 9 and (tmp_path / "vllm_bench.png").stat().st_size > 0
+    assert len(full["rows"]) == 24 and len(full["alone"]) == 9 and (tmp_path / "vllm_bench.png").stat().st_size > 0
     assert p.stderr.count("TT32T p50") == 1  # the table, on stderr with --json
 
 

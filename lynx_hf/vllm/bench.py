@@ -3,20 +3,22 @@ load, in the style of vLLM's benchmark_serving.
 
 Contract. Starts a prefill (kv_producer, its KV stream paced at `--bandwidth-mbps`) and a decode (kv_consumer,
 LynxProposer) `vllm serve` as the README's "Online" commands do (CI-sized: servers.py; ENGINE_FLAGS), and four
-in-process proxies (proxy.py): lynx (two shadows), int8, int4 (KIVI-4), ref (lynx without shadows: the full tier,
-no drafts). One workload from `--seed` — `--requests` streamed `/v1/completions` of `--new-tokens` (`ignore_eos`),
+in-process proxies (proxy.py): lynx (two shadows), int8, int4 (KIVI-4), ref (lynx without shadows: the full tier, no
+drafts). One workload from `--seed` — `--requests` streamed `/v1/completions` of `--new-tokens` (`ignore_eos`),
 Poisson arrivals at `--rate`/s, prompts of `--prompt-min`..`--prompt-max` tokens from disjoint windows of
-`demo.default_prompt_text()`, alternately greedy (temperature 0, logprobs 2) and sampled (temperature 1, top_p
-0.95, a seed each; logprobs 0, to count tokens) — runs through lynx, int8 and int4 in turn (order rotated by the
-seed). Times are seconds from a request's *scheduled* arrival: TTFT (the prefill's first token), TT2T (the decode
-engine's first), TT32T (token min(32, new tokens)). Per arm: p50/p90, output tokens/s over its span (start to last
-request's end), errors (a failed request is counted, never raised), /metrics deltas (the decode engine's draft and
-accepted tokens, both engines' preemptions). Then each greedy request runs alone, one at a time, on its reference
-(lynx: ref; int8/int4: the same proxy), and each arm's output is judged exact (equal token ids), a near-tie (at the
-first difference the reference's top-2 logprob gap is < 1e-3) or neither. Settings in, stats out: writes
-runs/vllm_bench.json (every request's row), runs/vllm_bench.png (TTFT and TT32T CDFs) and the servers' log, prints
-a table (stderr with --json), with --json ends with `summary`'s JSON line. The pure parts (schedule .. table)
-import neither vLLM nor aiohttp."""
+`demo.default_prompt_text()`, alternately greedy (temperature 0, logprobs 2) and sampled (temperature 1, top_p 0.95,
+a seed each; logprobs 0, to count tokens) — runs through lynx, ref, int8 and int4 in turn (order rotated by the
+seed), `--repeat` rounds of that (the order rotated by one each round, the same arrivals). Times are seconds from a
+request's *scheduled* arrival: TTFT (the prefill's first token), TT2T (the decode engine's first), TT32T (token
+min(32, new tokens)). Per arm: p50/p90, output tokens/s over its span (start to last request's end), errors (a
+failed request is counted, never raised), /metrics deltas (the decode engine's draft and accepted tokens, both
+engines' preemptions); over rounds, each figure's median (its range in the file) and each ratio of `RATIOS` the
+median of the per-round paired ratios. Then each greedy request runs alone, one at a time, on its reference (lynx
+and ref: ref; int8/int4: the same proxy), and each arm's output is judged exact (equal token ids), a near-tie (at
+the first difference the reference's top-2 logprob gap is < 1e-3) or neither. Settings in, stats out: writes
+runs/vllm_bench.json (every request's row), runs/vllm_bench.png (TTFT and TT32T CDFs) and the servers' log, prints a
+table (stderr with --json), with --json ends with `summary`'s JSON line plus `rounds`, `ratios`, `cores`. The pure
+parts (schedule .. table) import neither vLLM nor aiohttp."""
 from __future__ import annotations
 
 import argparse
@@ -31,9 +33,11 @@ from pathlib import Path
 from .servers import free_base, idle, serve, speculative, stop, wait_up
 from .servers import parse_metrics  # noqa: F401 — one of the pure parts (servers.py imports no vLLM, no aiohttp)
 
-ARMS = {"lynx": ("lynx", 2), "int8": ("int8", 0), "int4": ("kivi4", 0), "ref": ("lynx", 0)}  # method, shadows
-MEASURED = ("lynx", "int8", "int4")
-REFERENCE = {"lynx": "ref", "int8": "int8", "int4": "int4"}  # whose alone run judges an arm's greedy outputs
+ARMS = {"lynx": ("lynx", 2), "ref": ("lynx", 0), "int8": ("int8", 0), "int4": ("kivi4", 0)}  # method, shadows
+MEASURED = tuple(ARMS)  # ref measured too: Lynx without drafts, what drafting under load is judged against
+REFERENCE = {"lynx": "ref", "ref": "ref", "int8": "int8", "int4": "int4"}  # whose alone run judges an arm's outputs
+FIGURES = ("ttft_p50_s", "ttft_p90_s", "tt32t_p50_s", "tt32t_p90_s", "output_tokens_per_s")  # medians over rounds
+RATIOS = (("lynx", "int8"), ("lynx", "ref"))  # → ratios[f"{figure}_{num}_{den}"], e.g. tt32t_p50_lynx_int8
 # At 15 Mbit/s INT8's mean request (~576 tokens, ~7 MB) holds the link ~3.8 s: 0.2/s keeps it ~75 % busy (INT4's
 # and Lynx's anchors ~40 %; Lynx's whole code is INT8's bytes); prefill and decode compute are below that.
 DEFAULT_RATE = 0.2
@@ -130,6 +134,22 @@ def summary(n: int, rate: float, methods: dict) -> dict:
     """The --json line: requests, rate_per_s, preemptions (total over the arms), methods."""
     return {"requests": n, "rate_per_s": rate, "preemptions": sum(m["preemptions"] for m in methods.values()),
             "methods": methods}
+
+
+def over_rounds(rounds: list[dict]) -> tuple[dict, dict, dict]:
+    """Per-round arm_stats ([{arm: stats}], every round the same arms and arrivals) → (methods, spread, ratios):
+    each FIGURE the median over the rounds and every count their sum (`methods`, summary's names); each figure's
+    {median, min, max} (`spread`); per RATIOS pair and latency figure the spread of the per-round paired ratios
+    (`ratios`, named e.g. `tt32t_p90_lynx_ref`)."""
+    from ..eval.floors import paired, spread
+
+    arms = list(rounds[0])
+    sp = {k: {f: spread([r[k][f] for r in rounds]) for f in FIGURES} for k in arms}
+    methods = {k: {**{c: sum(r[k][c] for r in rounds) for c in rounds[0][k] if c not in FIGURES},
+                   **{f: None if sp[k][f] is None else round(sp[k][f]["median"], 4) for f in FIGURES}} for k in arms}
+    ratios = {f"{f.removesuffix('_s')}_{num}_{den}": paired(rounds, num, den, f)
+              for num, den in RATIOS if num in arms and den in arms for f in FIGURES[:4]}
+    return methods, sp, ratios
 
 
 COLUMNS = (("TTFT p50", "ttft_p50_s"), ("p90", "ttft_p90_s"), ("TT2T p50", "tt2t"), ("TT32T p50", "tt32t_p50_s"),
@@ -240,10 +260,13 @@ async def run_alone(url: str, reqs: list, idx: list, n32: int, timeout_s: float,
 
 
 async def bench(a, reqs: list, arrivals: list, engines: tuple, warm: list, say) -> dict:
-    """Proxies, a warm-up, the arms, the alone runs, the judgment → {"order", "arms": {name: run_arm's}, "alone"}."""
+    """Proxies, a warm-up, `a.repeat` rounds of every arm on the same arrivals (the order rotated by one each
+    round), one alone run per reference, the judgment → {"orders": [per round], "rounds": [{arm: run_arm's}],
+    "alone": {reference: {i: row}}}."""
     from aiohttp import web
     from tqdm import tqdm
 
+    from ..eval.floors import rotated
     from .proxy import Proxy, app
 
     n32, runners, url = min(32, a.new_tokens), [], {}
@@ -259,22 +282,26 @@ async def bench(a, reqs: list, arrivals: list, engines: tuple, warm: list, say) 
             w = await run_alone(url[name], [{**reqs[0], "prompt": warm, "max_tokens": 4}], [0], 1, a.timeout_s)
             if w[0]["error"]:
                 say(f"  warm-up through {name} failed: {w[0]['error']}")
-        k = a.seed % len(MEASURED)
-        order, idx = list(MEASURED[k:] + MEASURED[:k]), [i for i, b in enumerate(reqs) if b["temperature"] == 0]
-        arms = {}
-        for name in order:
-            say(f"{name}: {len(reqs)} requests, Poisson at {a.rate:g}/s ({url[name]})")
-            arms[name] = await run_arm(url[name], reqs, arrivals, n32, engines, a.timeout_s, name)
-        alone, bar = {}, tqdm(total=len(idx) * len(MEASURED), desc="alone", file=sys.stderr, unit="req")
-        for name in order:
-            alone[name] = await run_alone(url[REFERENCE[name]], reqs, idx, n32, a.timeout_s, bar)
+        base, idx = rotated(list(MEASURED), a.seed), [i for i, b in enumerate(reqs) if b["temperature"] == 0]
+        orders, rounds = [rotated(base, r) for r in range(a.repeat)], []
+        for r, order in enumerate(orders):
+            rounds.append({})
+            for name in order:
+                say(f"round {r + 1}/{a.repeat}, {name}: {len(reqs)} requests, Poisson at {a.rate:g}/s ({url[name]})")
+                rounds[-1][name] = await run_arm(url[name], reqs, arrivals, n32, engines, a.timeout_s,
+                                                 f"{name} {r + 1}/{a.repeat}")
+        refs = list(dict.fromkeys(REFERENCE[k] for k in MEASURED))
+        alone, bar = {}, tqdm(total=len(idx) * len(refs), desc="alone", file=sys.stderr, unit="req")
+        for ref in refs:
+            alone[ref] = await run_alone(url[ref], reqs, idx, n32, a.timeout_s, bar)
         bar.close()
     finally:
         for r in runners:
             await r.cleanup()
-    for name in order:
-        judge_rows(arms[name]["rows"], alone[name])
-    return {"order": order, "arms": arms, "alone": alone}
+    for arms in rounds:
+        for name, run in arms.items():
+            judge_rows(run["rows"], alone[REFERENCE[name]])
+    return {"orders": orders, "rounds": rounds, "alone": alone}
 
 
 def plot(arms: dict, path: Path, title: str) -> None:
@@ -316,6 +343,9 @@ def _args(argv):
                     help=f"the first of {PORTS} ports: prefill, decode, KV stream, four proxies (default 9100)")
     ap.add_argument("--timeout-s", type=seconds(), default=600.0, help="per request (default 600)")
     ap.add_argument("--out-dir", default="runs")
+    ap.add_argument("--repeat", type=count(100), default=1,
+                    help="rounds: every arm once per round on the same arrivals, the order rotated each round; "
+                         "figures are medians over rounds, ratios medians of per-round paired ratios (default 1)")
     ap.add_argument("--json", action="store_true", help="the table on stderr; end with one JSON line")
     ap.add_argument("--shared-cores", action="store_true",
                     help="both engines on all cores (default: disjoint halves, as two serving nodes have their own)")
@@ -342,6 +372,8 @@ def main(argv=None) -> int:
 
     from .demo import default_prompt_text
 
+    from ..eval.floors import spread as spread_of
+
     ap, a = _args(argv)
     say = (lambda *x: print(*x, file=sys.stderr, flush=True)) if a.json else (lambda *x: print(*x, flush=True))
     from transformers import AutoTokenizer
@@ -361,7 +393,7 @@ def main(argv=None) -> int:
         reqs = plan(ids, a.requests, a.seed, a.prompt_min, a.prompt_max, a.new_tokens, a.model)
     except ValueError as e:
         ap.error(str(e))
-    out, t_start, load = Path(a.out_dir), time.time(), os.getloadavg()
+    out, t_start, load0 = Path(a.out_dir), time.time(), os.getloadavg()
     out.mkdir(parents=True, exist_ok=True)
     engines = (f"http://127.0.0.1:{a.port}", f"http://127.0.0.1:{a.port + 1}")
     log_path = out / "vllm_bench_servers.log"
@@ -382,31 +414,44 @@ def main(argv=None) -> int:
             return 1
         finally:
             stop(procs)
-    arms = res["arms"]
-    s = {**summary(a.requests, a.rate, {k: arm_stats(arms[k]["rows"], arms[k]["span_s"], arms[k]["deltas"])
-                                        for k in MEASURED}), "cores": cores}
-    tt2t = {k: percentile([r["tt2t_s"] for r in arms[k]["rows"] if r["error"] is None], 50) for k in MEASURED}
+    per = [{k: arm_stats(arms[k]["rows"], arms[k]["span_s"], arms[k]["deltas"]) for k in MEASURED}
+           for arms in res["rounds"]]
+    methods, spread, ratios = over_rounds(per)
+    s = {**summary(a.requests, a.rate, methods), "rounds": a.repeat, "ratios": ratios, "cores": cores}
+    tt2t = {k: (spread_of([percentile([r["tt2t_s"] for r in arms[k]["rows"] if r["error"] is None], 50)
+                           for arms in res["rounds"]]) or {}).get("median") for k in MEASURED}
+    load = "; ".join(", ".join(f"{k} {arms[k]['loadavg_1min'][0]:.1f}/{arms[k]['loadavg_1min'][1]:.1f}"
+                               for k in order) for order, arms in zip(res["orders"], res["rounds"]))
     say(f"\n{a.requests} requests at {a.rate:g}/s (Poisson, seed {a.seed}), {a.new_tokens} new tokens, prompts "
         f"{a.prompt_min}..{a.prompt_max} tokens, {a.bandwidth_mbps:g} Mbit/s; engines' cores: prefill "
-        f"{cores['prefill'] or 'all'}, decode {cores['decode'] or 'all'}; arms in the order {res['order']}; "
-        f"seconds from each request's scheduled arrival; this machine's 1-min load average at each arm's start and "
-        f"end: " + ", ".join(f"{k} {arms[k]['loadavg_1min'][0]:.1f}/{arms[k]['loadavg_1min'][1]:.1f}"
-                             for k in res["order"]) + "\n" + table(s, tt2t))
+        f"{cores['prefill'] or 'all'}, decode {cores['decode'] or 'all'}; {a.repeat} round(s), arms in the orders "
+        f"{res['orders']}; seconds from each request's scheduled arrival; this machine's 1-min load average at each "
+        f"arm's start and end: {load}\n" + table(s, tt2t)
+        + (f"\nmedians over {a.repeat} rounds (counts: sums); per-round paired ratios, median [min, max]:\n"
+           + ratio_lines(ratios) if a.repeat > 1 else "\nratios (one round):\n" + ratio_lines(ratios)))
     settings = {**{k: getattr(a, k) for k in ("requests", "rate", "seed", "new_tokens", "prompt_min", "prompt_max",
-                                              "bandwidth_mbps", "num_speculative_tokens")},
-                "engine_flags": ENGINE_FLAGS, "loadavg_start": load, "loadavg_end": os.getloadavg()}
+                                              "bandwidth_mbps", "num_speculative_tokens", "repeat")},
+                "engine_flags": ENGINE_FLAGS, "loadavg_start": load0, "loadavg_end": os.getloadavg()}
     (out / "vllm_bench.json").write_text(json.dumps({
-        "summary": s, "settings": settings, "order": res["order"], "tt2t_p50_s": tt2t,
-        "wall_s": round(time.time() - t_start, 1),
-        "rows": [{"arm": k, **r} for k in res["order"] for r in arms[k]["rows"]],
-        "alone": [{"arm": k, "reference": REFERENCE[k], "i": i, **r} for k in res["order"]
-                  for i, r in res["alone"][k].items()]}, indent=1) + "\n")
-    plot(arms, out / "vllm_bench.png", f"Lynx in vLLM under load: {a.requests} requests at {a.rate:g}/s, "
-         f"{a.bandwidth_mbps:g} Mbit/s, {a.new_tokens} new tokens")
+        "summary": s, "settings": settings, "orders": res["orders"], "spread": spread, "tt2t_p50_s": tt2t,
+        "per_round": per, "wall_s": round(time.time() - t_start, 1),
+        "rows": [{"round": j, "arm": k, **r} for j, (order, arms) in enumerate(zip(res["orders"], res["rounds"]))
+                 for k in order for r in arms[k]["rows"]],
+        "alone": [{"reference": k, "i": i, **r} for k, rs in res["alone"].items() for i, r in rs.items()]},
+        indent=1) + "\n")
+    pooled = {k: {"rows": [r for arms in res["rounds"] for r in arms[k]["rows"]]} for k in MEASURED}
+    plot(pooled, out / "vllm_bench.png", f"Lynx in vLLM under load: {a.requests} requests at {a.rate:g}/s, "
+         f"{a.bandwidth_mbps:g} Mbit/s, {a.new_tokens} new tokens, {a.repeat} round(s) pooled")
     say(f"wrote {out / 'vllm_bench.json'} and {out / 'vllm_bench.png'}")
     if a.json:
         print(json.dumps(s), flush=True)
     return 0
+
+
+def ratio_lines(ratios: dict) -> str:
+    """One line per ratio: name, median [min, max] ("-" where a round lacked the figure)."""
+    fmt = lambda x: "-" if x is None else f"{x['median']:.2f} [{x['min']:.2f}, {x['max']:.2f}]"  # noqa: E731
+    return "\n".join(f"  {k:<22}{fmt(v)}" for k, v in ratios.items())
 
 
 def engine_cores(a) -> dict:

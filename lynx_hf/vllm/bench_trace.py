@@ -20,17 +20,19 @@ import time
 from pathlib import Path
 
 from . import trace as tr
-from .bench import (MEASURED, REFERENCE, arm_stats, idle, judge_rows, one, percentile, plot, summary, table)
+from .bench import (REFERENCE, arm_stats, idle, judge_rows, one, percentile, plot, summary, table)
 
 TRACE_MAX_LEN = 2048
 BLOCK = 64  # servers.serve's --block-size
+TRACE_ARMS = ("lynx", "int8", "int4")  # (ref is the fresh sends' reference: its alone runs judge Lynx's turns)
 
 
 def plan_trace(rows: list, convs: list, text: list, a, model: str) -> dict:
     """{arm: [[turn bodies] per conversation]}: each arm's prompts from its own text region."""
     out = {}
-    for region, arm in enumerate(MEASURED):
-        out[arm] = [[{"model": model, "prompt": tr.prompt(rows[j], a.trace_scale, text, region, len(MEASURED), a.seed),
+    for region, arm in enumerate(TRACE_ARMS):
+        n = len(TRACE_ARMS)
+        out[arm] = [[{"model": model, "prompt": tr.prompt(rows[j], a.trace_scale, text, region, n, a.seed),
                       "max_tokens": tr.new_tokens(rows[j], a.trace_scale, a.new_tokens), "stream": True,
                       "ignore_eos": True, "return_tokens_as_token_ids": True, "temperature": 0.0, "logprobs": 2}
                      for j in conv] for conv in convs]
@@ -135,8 +137,8 @@ async def run(a, engines: tuple, text: list, log_path: Path, say) -> dict:
         for name in ARMS:  # (a short prompt outside every arm's region's blocks: nothing a turn could hit)
             await run_alone(url[name], [{**bodies["lynx"][0][0], "prompt": text[:40], "max_tokens": 4}], [0], 1,
                             a.timeout_s)
-        k = a.seed % len(MEASURED)
-        order, arms = list(MEASURED[k:] + MEASURED[:k]), {}
+        k = a.seed % len(TRACE_ARMS)
+        order, arms = list(TRACE_ARMS[k:] + TRACE_ARMS[:k]), {}
         for name in order:
             say(f"{name}: {len(convs)} conversations ({url[name]})")
             arms[name] = await replay(url[name], bodies[name], starts, engines, a.timeout_s, name)
@@ -158,7 +160,7 @@ async def run(a, engines: tuple, text: list, log_path: Path, say) -> dict:
                          "block_kv_bytes": None if bpp is None else round(bpp * BLOCK),
                          "fresh": tr.turn_stats([r for r in rs if not r["continued"]], percentile),
                          "continued": tr.turn_stats([r for r in rs if r["continued"]], percentile)}
-    s = {**summary(sum(map(len, convs)), a.rate, {k: methods[k] for k in MEASURED}),
+    s = {**summary(sum(map(len, convs)), a.rate, {k: methods[k] for k in TRACE_ARMS}),
          "trace": {"file": a.trace, "scale": a.trace_scale, "conversations": len(convs), "requests": convs}}
     return s, {"order": order, "arms": arms, "alone": alone}
 
