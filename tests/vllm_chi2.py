@@ -171,7 +171,8 @@ def main():
     log = open(os.environ.get("LYNX_SERVE_LOG", os.devnull), "w")
     P, D, KV, A = (port0 + i for i in range(4))
     procs = [serve(model, P, KV, "kv_producer", secret, log, bandwidth_mbps=MBPS, quant=QUANT),
-             serve(model, D, KV, "kv_consumer", secret, log, speculative(8), bandwidth_mbps=MBPS, quant=QUANT)]
+             serve(model, D, KV, "kv_consumer", secret, log, speculative(8), bandwidth_mbps=MBPS, quant=QUANT,
+                   more={"price_shadows": False})]  # (every shadow drafts: the test is of drafted sampling)
     procs.append(subprocess.Popen(
         [sys.executable, "-m", "lynx_hf.vllm.proxy", "--prefill", f"http://127.0.0.1:{P}", "--decode",
          f"http://127.0.0.1:{D}", "--kv-port", str(KV), "--port", str(A), "--shadows", "1", "--draft-budget", str(M)],

@@ -14,7 +14,9 @@ request; `drain_ms` the time a step may spend placing arrived KV into blocks —
 the last forward's time, so a fast link never stalls the batch; `quant` the codec's fields other than its method
 (both instances must agree); `secret` or $LYNX_SECRET, or `insecure: true` on loopback only; `transfer_log` (decode,
 optional) a file each finished Lynx request appends one JSON line to: its kv_transfer_params (xfer, tier, the first
-position shipped, prompt length, bytes received and arrival times), what a streamed response cannot carry.
+position shipped, prompt length, bytes received and arrival times), what a streamed response cannot carry;
+`price_shadows` (decode, default true) admits a shadow beside other running requests only when pricing.py's rule
+says its drafts save more than they cost (false: every shadow that fits, as before).
 
 Refused at start, with the reason: tensor, pipeline or data parallelism (every rank would bind one port), an fp8 or
 other quantized KV cache (the codec reads and writes the model's dtype), async scheduling (the connector's step
@@ -138,7 +140,8 @@ class LynxConnector(KVConnectorBase_V1):
             if block_size:  # prefix hits: the default codec's segments must fit a block (a request's method: checked)
                 check_block_size(block_size, codec_config(base, "lynx"))
             self._sched = SchedulerSide(self.kv_role, base, _geometry(vllm_config), held,
-                                        float(extra.get("timeout_s", 60)), salted=salted, block_size=block_size)
+                                        float(extra.get("timeout_s", 60)), salted=salted, block_size=block_size,
+                                        price_shadows=bool(extra.get("price_shadows", True)))
             self._log = open(extra["transfer_log"], "a", buffering=1) if extra.get("transfer_log") else None
             return
         from .fixes import install_expand_fix

@@ -16,7 +16,8 @@ Admission, the rule that keeps KV pressure from deadlocking (docs/vllm.md, "Unde
 depends on another request's blocks — R's load waits only for its stream, a shadow's for its own stream's anchors
 and residual share — and a shadow is admitted only after its R holds blocks, while R still waits for its KV, and
 not in a step after one where a load could not get blocks (shadows yield first: a shadow that does not fit
-would otherwise stop vLLM's queue in front of the next real request). A request refused (bad parameters,
+would otherwise stop vLLM's queue in front of the next real request), and beside other running requests only when
+its drafts are priced to save more than they cost them (pricing.py). A request refused (bad parameters,
 a late or preempted shadow, a transfer over the decode side's bound) claims one token asynchronously and fails at
 once with the reason (vLLM's `kv_load_failure_policy="fail"`), so it never holds a prompt's worth of blocks.
 
@@ -32,10 +33,12 @@ from dataclasses import dataclass, field
 from ..config import LynxQuantConfig
 from ..errors import ConfigError
 from ..quant import codec
+from .pricing import Ledger, Pricing
 from .stream import KVSpec, check_xfer_id, segment_tokens, token_digest
 
 log = logging.getLogger("lynx_hf.vllm")
 TIERS = ("anchor", "full")
+PRICED = "priced out:"  # a shadow the pricing rule refused (pricing.py): its refusal is an operating decision
 WAIT = object()  # an admission rule's answer: not yet (matched tells vLLM None: it skips the request this step)
 MAX_ENDED = 4096
 
@@ -196,17 +199,21 @@ class _Xfer:
     loading: set = field(default_factory=set)    # shadows holding blocks, not scheduled yet
     preempted: set = field(default_factory=set)  # shadows vLLM preempted: never reloaded
     rivals: set = field(default_factory=set)
+    priced: set = field(default_factory=set)     # shadows the pricing rule admitted (asked once each)
+    ledger: list = field(default_factory=lambda: [0, 0, 0])  # S, D, A (pricing.py's terms)
+    r_last: tuple | None = None                  # R's (computed, scheduled) in the last step it ran
 
 
 class SchedulerSide:
     """geometry: (layers, kv_heads, head_dim, dtype) of the model's KV — what a held copy's bound is computed from
     (None: no bound, tests only); max_held_bytes: the decode side's bound on held copies; timeout_s: how long a
     shadow waits for its real request; salted: prefix caching is on (a consume request's cache_salt must name its
-    transfer, so its blocks never serve another request's prefix hit)."""
+    transfer, so its blocks never serve another request's prefix hit); price_shadows: shadows beside other running
+    requests only where pricing.py's rule admits them."""
 
     def __init__(self, role: str, base: dict | None = None, geometry: tuple | None = None,
                  max_held_bytes: int = 1 << 30, timeout_s: float = 60.0, clock=time.monotonic, salted: bool = False,
-                 block_size: int = 0):
+                 block_size: int = 0, price_shadows: bool = True):
         self.role, self.salted = role, salted  # role: "kv_producer" | "kv_consumer" | "kv_both"
         self.block_size, self._sized = block_size, set()  # (0: unchecked, tests) methods whose segments fit a block
         codec_config(base or {}, "lynx")  # a bad base refused at setup
@@ -229,6 +236,8 @@ class SchedulerSide:
         self._pass_bytes = 0                  # held bytes new transfers matched in this pass would add
         self._pressure = False                # some load could not get blocks in the last pass
         self._stats: dict[str, dict] = {}
+        self.pricing, self._running = Pricing(), set()  # shadows priced against the last step's requests
+        self.price_shadows = price_shadows
         self.held = 0                         # bytes the decode side may hold for live transfers
 
     # ---- get_num_new_matched_tokens ------------------------------------------------------------------------
@@ -270,17 +279,17 @@ class SchedulerSide:
         if why is WAIT:
             return None, False
         if why:
-            return self.refuse(req_id, why)
+            return self.refuse(req_id, why, quiet=why.startswith(PRICED))
         if P <= num_computed:  # the local prefix cache holds the whole prompt (its own blocks: never written)
             return 0, False
         self._pass_load[req_id] = p["tier"]
         return P - num_computed, True
 
-    def refuse(self, req_id: str, why: str) -> tuple[int, bool]:
+    def refuse(self, req_id: str, why: str, quiet: bool = False) -> tuple[int, bool]:
         """Fail request `req_id` with `why` (get_num_new_matched_tokens' answer: one token, loaded asynchronously, whose
-        load fails)."""
+        load fails); `quiet`: an operating decision (a priced-out shadow), logged at INFO, not a fault."""
         if req_id not in self._refuse:
-            log.warning("request %s refused: %s", req_id, why)
+            (log.info if quiet else log.warning)("request %s refused: %s", req_id, why)
         self._refuse[req_id] = why
         return 1, True
 
@@ -323,6 +332,13 @@ class SchedulerSide:
         if (p["prompt_len"], p["method"]) != (x.P, x.method) or token_digest(prompt_ids[:x.P + 1]) != x.key:
             return (f"its prompt_len, method or first {x.P + 1} tokens differ from its transfer's real request "
                     f"({x.P}, {x.method!r})")
+        if self.price_shadows and req_id not in x.priced:
+            others = len(self._running - x.members - {x.r})
+            if not self.pricing.admit(others):
+                saving, cost = self.pricing.price(others)
+                return (f"{PRICED} beside {others} running requests its transfer's drafts would save "
+                        f"{saving:.2f} request-s and cost {cost:.2f} (pricing.py; {self.pricing.state()})")
+            x.priced.add(req_id)
         return None
 
     def _note(self, req_id: str, prompt_ids, claims: str | None) -> None:
@@ -398,6 +414,7 @@ class SchedulerSide:
                         preempted=sorted(preempted))
         self._new_loads, self._refusals, self._closed = [], [], []
         self._saves(meta, new_reqs, cached, num_scheduled, set(preempted), set(resumed))
+        self._account(new_reqs, cached, num_scheduled)
         for rid in preempted:
             self._preempted(rid)
         blocked = set(self._pass_load) - self._pass_alloc
@@ -415,6 +432,24 @@ class SchedulerSide:
         meta.drafts = {xfer: (x.P, x.key, len(x.members), x.first) for xfer, x in self._xfers.items()
                        if x.shadows and not x.rivals and x.r_state in ("loading", "running")}
         return meta
+
+    def _account(self, new_reqs, cached, num_scheduled: dict) -> None:
+        """The step model's step and each transfer's ledger (pricing.py): its shadows' tokens; R's drafts verified
+        in the last step it ran (scheduled beyond its one token) and kept (how far its computed tokens moved on)."""
+        self.pricing.step(self.clock(), sum(num_scheduled.values()))
+        self._running = set(num_scheduled)
+        computed = {r: c for r, _, c in new_reqs} | {r: c for r, _, c in cached}
+        for x in self._xfers.values():
+            if not x.shadows:
+                continue
+            x.ledger[0] += sum(num_scheduled.get(m, 0) for m in x.members if m != x.r)
+            if x.r not in num_scheduled or x.r not in computed:
+                continue
+            if x.r_last is not None and x.r_last[1] > 1:
+                k = x.r_last[1] - 1
+                x.ledger[1] += k
+                x.ledger[2] += min(k, max(0, computed[x.r] - x.r_last[0] - 1))
+            x.r_last = (computed[x.r], num_scheduled[x.r])
 
     def _saves(self, meta: StepMeta, new_reqs, cached, num_scheduled, preempted: set, resumed: set) -> None:
         for rid in preempted & set(self._produce):  # its blocks are gone: a resumed one brings a whole new table
@@ -437,7 +472,7 @@ class SchedulerSide:
             if rid in x.members:
                 x.members.discard(rid)
                 if rid == x.r:
-                    x.r_state = "preempted"  # it comes back through matched and reloads the held copy
+                    x.r_state, x.r_last = "preempted", None  # it comes back through matched, reloads the held copy
                 else:
                     x.preempted.add(rid)
 
@@ -466,7 +501,10 @@ class SchedulerSide:
                          **(stats or {})}}
 
     def _end(self, xfer: str) -> None:
-        self.held -= self._xfers.pop(xfer).bound
+        x = self._xfers.pop(xfer)
+        self.held -= x.bound
+        if x.shadows:
+            self.pricing.ended(Ledger(*x.ledger))
         self._closed.append(xfer)
         self._ended[xfer] = self.clock()
         while len(self._ended) > MAX_ENDED:
