@@ -19,7 +19,7 @@ def data_dir() -> Path:
     raise FileNotFoundError("shared data not found: set LYNX_DATA to the folder holding text/ and mmlu_pro/")
 
 
-WAY_OUT = ("set LYNX_DATA to a folder holding text/tinyshakespeare.txt and mmlu_pro/test.jsonl (README, 'Data'); "
+WAY_OUT = ("set LYNX_DATA to a folder holding text/tinyshakespeare.txt and mmlu_pro/test.jsonl (docs/cli.md, 'Data'); "
            "tests/fixtures/ has small stand-ins: shakespeare.txt, mmlu_pro.jsonl")
 
 

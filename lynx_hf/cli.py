@@ -158,7 +158,7 @@ def _add_results(sub) -> None:
     from lynx_hf.flags import count, mbps, tokens
 
     r = subcommand(sub, "results", "the paper's table by KV mode: wire, TTFT/TT32T, RULER, MMLU-Pro (docs/results.md, "
-                                   "docs/results.json); reads MMLU-Pro (README, Data)")
+                                   "docs/results.json); reads MMLU-Pro (docs/cli.md, Data)")
     r.add_argument("--questions", type=count(1 << 20), default=500, help="MMLU-Pro questions per context length")
     r.add_argument("--contexts", type=tokens(), nargs="+", default=[512, 1024], help="context lengths in tokens")
     r.add_argument("--model", help=MODEL_HELP)
@@ -240,7 +240,7 @@ EPILOG = """first steps:
   lynx-hf demo                        two processes over loopback TCP: BF16 / INT8 / INT4 / Lynx (no data needed)
   lynx-hf SUBCOMMAND --help           what a subcommand does, its options and their defaults
   lynx-hf eval --help                 lm-eval with `--model lynx --model_args kv=MODE` and this project's tasks
-data: some subcommands read the shared evaluation data (README, 'Data'); they say so at once when it is missing."""
+data: some subcommands read the shared evaluation data (docs/cli.md, 'Data'); they say so at once when it is missing."""
 COMMANDS = (_add_eval, _add_codec_quality, _add_bench, _add_acceptance, _add_demo, _add_results, _add_calibrate,
             _add_card, _add_simulate)  # in --help's order; serve-prefill and serve-decode come last
 

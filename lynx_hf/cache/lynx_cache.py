@@ -315,7 +315,7 @@ class LynxCache(Cache):
         _batch_map(self, "reorder_cache", beam_idx, lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_select_indices(self, indices: torch.Tensor):
-        indices = torch.as_tensor(indices, dtype=torch.long)  # (a list of rows too, as the README shows it)
+        indices = torch.as_tensor(indices, dtype=torch.long)  # (a list of rows too, as docs/generate.md shows it)
         _batch_map(self, "batch_select_indices", indices, lambda t: t[indices.to(t.device)])
 
     def batch_repeat_interleave(self, repeats: int):

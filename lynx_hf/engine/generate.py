@@ -66,8 +66,8 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
     the prompt, exactly the verified tokens plain `generate` would give a streamer, in order, and its `end()` however
     generation ends (an error included), so a `TextIteratorStreamer` consumer's loop always ends. Transformers 5.x
     hands a callable custom_generate only its own extra parameters: a `streamer=` given to `generate` stays with
-    Transformers, which gives it the prompt and nothing more (README, "Streaming"); an `assistant_model=` is dropped
-    there too. Drafting settings: `spec_config=` (a SpecConfig; default `SpecConfig.for_anchor` of the cache's anchor width); `t0=`: the request's
+    Transformers, which gives it the prompt and nothing more (docs/generate.md, "Streaming"); an
+    `assistant_model=` is dropped there too. Drafting settings: `spec_config=` (a SpecConfig; default `SpecConfig.for_anchor` of the cache's anchor width); `t0=`: the request's
     start (time.perf_counter(); default: now), from which `cache.stats`' times count. For the same
     reason `tokenizer=` never reaches a callable, so `stop_strings` (declared here, so that generate does not fail
     first) is refused with the way out: `stopping_criteria=[StopStringCriteria(tokenizer, stops)]`, which stops at
@@ -77,7 +77,7 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
     range; images only those the prompt was prefilled with); drafting narrows (chain in lock-step, or none, with a
     warning) where a model or a logits processor cannot take it. Stopping criteria see verified tokens only. Rows
     of a batch accept drafts independently (`cache.stats["accepted_per_row"]`); the scores of steps a finished,
-    padded row did not run are −inf but 0 at the pad token (plain generate runs those rows on: README)."""
+    padded row did not run are −inf but 0 at the pad token (plain generate runs those rows on: docs/generate.md)."""
     if spec_config is not None and not isinstance(spec_config, SpecConfig):
         raise TypeError(f"spec_config must be a lynx_hf.SpecConfig, got {type(spec_config).__name__}")
     if t0 is not None and not isinstance(t0, float):

