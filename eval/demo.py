@@ -86,11 +86,12 @@ def plot_timeline(runs: dict, path: Path, bandwidth_bps: float, prompt_tokens: i
     save_figure(fig, path, rect=(0, 0.05, 1, 1))
 
 
-REF = "Lynx (no drafts: full-tier reference)"
+REF = "lynx-nodraft"  # the Lynx row's KV (its width), decoded without drafts once the residual is in
 PAIRS = {"ttft_lynx_int4": ("Lynx", "INT4 (KIVI-4)", "ttft_s"), "ttft_lynx_int8": ("Lynx", "INT8", "ttft_s"),
          "tt32t_lynx_int8": ("Lynx", "INT8", "tt32t_s"),
          "decode_start_lynx_int4": ("Lynx", "INT4 (KIVI-4)", "decode_start_s"),
-         "decode_start_lynx_int8": ("Lynx", "INT8", "decode_start_s")}  # the --json "ratios" (and their "floor")
+         "decode_start_lynx_int8": ("Lynx", "INT8", "decode_start_s"),
+         "tt32t_lynx_nodraft": ("Lynx", REF, "tt32t_s")}  # the --json "ratios" (and their "floor")
 AT_FLOOR = {"lynx_ttft": "ttft_s", "lynx_decode_start": "decode_start_s", "lynx_verified_2": "verified_2_s",
             "lynx_tt32t": "tt32t_s"}
 
@@ -202,7 +203,8 @@ def _report(runs, judged, tok, say, bandwidth_bps, new_tokens, dtype, do_sample,
     say(f"TTFT Lynx/INT4 {_fmt(R['ttft_lynx_int4'])} (floor {_fmt(F['ttft_lynx_int4'])}), Lynx/INT8 "
         f"{_fmt(R['ttft_lynx_int8'])}; decode start Lynx/INT4 {_fmt(R['decode_start_lynx_int4'])} (floor "
         f"{_fmt(F['decode_start_lynx_int4'])}), Lynx/INT8 {_fmt(R['decode_start_lynx_int8'])}; TT32T Lynx/INT8 "
-        f"{_fmt(R['tt32t_lynx_int8'])} (floor {_fmt(F['tt32t_lynx_int8'])}); Lynx at its floor: TTFT "
+        f"{_fmt(R['tt32t_lynx_int8'])} (floor {_fmt(F['tt32t_lynx_int8'])}), Lynx/{REF} "
+        f"{_fmt(R['tt32t_lynx_nodraft'])}; Lynx at its floor: TTFT "
         f"{_fmt(A['lynx_ttft'])}, decode start {_fmt(A['lynx_decode_start'])}, second verified "
         f"{_fmt(A['lynx_verified_2'])}, TT32T {_fmt(A['lynx_tt32t'])}; identical to 8-bit full-tier decoding: {same}"
         + ("" if exact is None else f"; Lynx (exact) identical to plain generate ({dtype}): {exact}"))

@@ -178,8 +178,9 @@ class SpecConfig:
     than `tree_cutoff` nats below the best, or whose path the full tier takes with probability below
     `verify_min_prob` (by that calibrated score), are not expanded (each row's best child always is). The verify
     pass runs the nodes at or above `verify_min_prob` and the best deepest node's path, at most `verify_nodes`:
-    as many as the tree's likely paths. tree_width = tree_branch = 1 drafts a chain; sampling always drafts a
-    chain."""
+    as many as the tree's likely paths; with `price_verify`, only the nodes whose path probability pays for their
+    place in the pass, as this request's own draft steps time it (drafters.py `verify_floor`). tree_width =
+    tree_branch = 1 drafts a chain; sampling always drafts a chain."""
 
     max_draft_steps: int = 64
     draft_while_waiting: bool = True
@@ -190,6 +191,7 @@ class SpecConfig:
     tree_temperature: float = 0.1
     tree_cutoff: float = 10.0
     verify_lead: float = 3.0
+    price_verify: bool = False
     max_draft_tokens: int | None = None  # deprecated alias of max_draft_steps
 
     @classmethod
@@ -197,11 +199,13 @@ class SpecConfig:
         """The defaults for an anchor of `bits` bits: a 4-bit anchor's are the class's; a 3- or 2-bit anchor is
         less often right, so its tree is scored less sharply (tree_temperature 0.3) and kept wider (16 frontier
         nodes, up to 512 verified) — measured on many-shot prompts the acceptance check does not use
-        (docs/drafting.md). `overrides` win."""
+        (docs/drafting.md) — and its verify pass priced (`price_verify`: a wide tree of unlikely nodes cost more
+        than it kept). `overrides` win."""
         if bits not in ANCHOR_BITS:
             raise ConfigError(f"SpecConfig.for_anchor takes an anchor width of {ANCHOR_BITS}, got {bits!r} (a config's "
                               f"'auto' is resolved per request first: lynx_hf.width)")
-        narrow = {} if bits == 4 else {"tree_temperature": 0.3, "tree_width": 16, "verify_nodes": 512}
+        narrow = {} if bits == 4 else {"tree_temperature": 0.3, "tree_width": 16, "verify_nodes": 512,
+                                       "price_verify": True}
         return cls(**{**narrow, **overrides})
 
     def __post_init__(self):
@@ -220,6 +224,8 @@ class SpecConfig:
         p = self.verify_min_prob
         if not isinstance(p, (int, float)) or isinstance(p, bool) or not (0.0 < float(p) <= 1.0):
             raise ConfigError(f"SpecConfig: verify_min_prob must be a probability in (0, 1], got {p!r}")
+        if not isinstance(self.price_verify, bool):
+            raise ConfigError(f"SpecConfig: price_verify must be a bool, got {self.price_verify!r}")
         for name in ("tree_temperature", "tree_cutoff", "verify_lead"):
             t = getattr(self, name)
             if not isinstance(t, (int, float)) or isinstance(t, bool) or not (0.0 < float(t) <= 1e4):

@@ -48,6 +48,7 @@ class Stats(DictReads):
     accepted_per_row: list = field(default_factory=list)  # accepted drafts of each row (0 for rows already done)
     rounds: int = 0                  # verification passes
     tree_nodes: int = 0              # tree nodes verified
+    verify_bound: float | None = None  # the last verify pass's least path probability a node needed (drafters.py)
     draft_nodes: list = field(default_factory=list)  # positions each draft step ran per row (a tree's frontier)
     ttft_draft_s: float | None = None     # first draft token
     ttft_verified_s: float | None = None  # first verified token

@@ -42,7 +42,8 @@ def test_demo_two_processes(tmp_path):
     assert [x["order"][0] for x in rounds] == ["BF16", "INT8"]  # rotated: each round starts one method later
     for k, (a, b, f) in {"ttft_lynx_int4": ("Lynx", "INT4 (KIVI-4)", "ttft_s"),
                          "tt32t_lynx_int8": ("Lynx", "INT8", "tt32t_s"),
-                         "decode_start_lynx_int8": ("Lynx", "INT8", "decode_start_s")}.items():  # per-round ratios
+                         "decode_start_lynx_int8": ("Lynx", "INT8", "decode_start_s"),
+                         "tt32t_lynx_nodraft": ("Lynx", "lynx-nodraft", "tt32t_s")}.items():  # per-round ratios
         per = sorted(x["rows"][a][f] / x["rows"][b][f] for x in rounds)
         assert r["ratios"][k] == {"median": pytest.approx((per[0] + per[1]) / 2), "min": per[0], "max": per[1]}, k
     # the first token is picked from the logits the moment they land; TT32T at or above its floor (busy machine:
@@ -53,7 +54,7 @@ def test_demo_two_processes(tmp_path):
         assert m["ttft_s"] < m["decode_start_s"], name
     assert list(r["methods"])[:2] == ["BF16", "INT8"]  # the plan's order, whatever the last round's
     assert set(r["methods"]) == {"BF16", "INT8", "INT4 (KIVI-4)", "CacheGen", "Lynx", "Lynx (exact)",
-                                 "Lynx (no drafts: full-tier reference)"}
+                                 "lynx-nodraft"}
     assert r["exact"]["identical_to_plain_generate"] is True  # exact mode = plain generate (here fp32)
     assert isinstance(r["prefill_bound"], bool)
     assert r["methods"]["BF16"]["bytes"] > r["methods"]["INT8"]["bytes"] > r["methods"]["INT4 (KIVI-4)"]["bytes"]

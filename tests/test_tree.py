@@ -220,3 +220,23 @@ def test_floor_keeps_unlikely_children_out_of_the_frontier_and_the_verify_pass()
     assert 2 not in nodes                                                  # token 4's leaf: below, off the path
     assert len(nodes) == len(best_subtree(t, 100, floor=math.log(0.01))[0])
     assert best_subtree(t, 100)[0].shape[0] > len(nodes)                   # no floor: every node is verified
+
+
+def test_a_node_is_verified_only_where_its_path_probability_pays_for_it():
+    from types import SimpleNamespace
+
+    from lynx_hf.engine.drafters import TreeDrafter
+
+    floor = math.log(0.003)  # verify_min_prob's
+    d = SimpleNamespace(floor=floor, costs=[(1, 0.084), (8, 0.112), (16, 0.144), (8, 0.112)],  # T(m) = 0.08 + 0.004 m
+                        spec=SimpleNamespace(price_verify=True))
+    assert TreeDrafter.verify_floor(d) == pytest.approx(math.log(0.004 / 0.084))  # a node pays iff p > c / (a + c)
+    d.spec.price_verify = False  # (a 4-bit anchor's default: verify_min_prob alone)
+    assert TreeDrafter.verify_floor(d) == floor
+    d.spec.price_verify = True
+    d.costs = [(1, 0.084), (1, 0.09)]  # one frontier size: a and c not apart
+    assert TreeDrafter.verify_floor(d) == floor
+    d.costs = [(1, 0.09), (8, 0.08)]  # noise: wider steps faster
+    assert TreeDrafter.verify_floor(d) == floor
+    d.costs = [(1, 0.1), (16, 0.1 + 15 * 1e-5)]  # nodes nearly free: never below verify_min_prob's floor
+    assert TreeDrafter.verify_floor(d) == floor

@@ -224,8 +224,9 @@ def test_scheduler_side_asks_for_the_prompt_and_refuses_a_bad_request_with_one_t
     assert loads["r"].error is None and loads["r"].start == 0 and loads["r"].digest == token_digest(ids[:100])
     assert s.step_meta([], [], {}).loads == []  # each load is announced once
     s.worker_meta({"r": {"bytes": 7}, "gone": {"bytes": 1}})  # stats of a request it never loaded: dropped
-    assert s.finished("r", _consume("full")) == {"lynx": {"xfer": "x", "tier": "full", "start": 0, "prompt_len": 100,
-                                                          "bytes": 7}}
+    done = s.finished("r", _consume("full"))
+    assert {"admitted", "first_step", "last_step", "steps", "batch_mean"} <= set(done["lynx"].pop("timeline"))
+    assert done == {"lynx": {"xfer": "x", "tier": "full", "start": 0, "prompt_len": 100, "bytes": 7}}
     for rid in ("short", "bad", "codec", "hit", "plain"):
         assert s.finished(rid, None) is None
     assert s.step_meta([], [], {}).closed == ["x"] and _empty(s)

@@ -4,7 +4,7 @@ import logging
 import pytest
 
 from lynx_hf.vllm.hooks import PRICED, SchedulerSide
-from lynx_hf.vllm.pricing import MIN_STEPS, PRIOR, Ledger, Pricing
+from lynx_hf.vllm.pricing import EXPLORE, HISTORY, MIN_STEPS, PRIOR, Ledger, Pricing
 
 
 def _busy(p: Pricing, a=0.05, b=0.01, steps=64, t0=0.0):
@@ -30,24 +30,35 @@ def test_the_step_model_is_the_line_through_busy_steps_and_idle_gaps_are_not_ste
     flat = Pricing()
     for i in range(MIN_STEPS * 2):
         flat.step(i * 0.1, 4)  # no spread in tokens: a and b cannot be told apart
-    assert flat.model() is None and flat.admit(10)  # not priced: admitted
+    assert flat.model() is None and flat.admit(10, 40)  # not priced: admitted
 
 
 def test_a_shadow_is_admitted_alone_and_yields_as_the_engine_fills():
     p = Pricing()
     _busy(p)  # a = 50 ms, b = 10 ms a token
-    assert p.expected() == PRIOR  # saving 27 (a + b (N + 1)), cost N b (62 + 4) + 4 b
-    admitted = [p.admit(n) for n in range(8)]
-    assert admitted == [True] * 5 + [False] * 3  # N = 4: 2.70 > 2.68; N = 5: 2.97 < 3.34
-    saving, cost = p.price(3)
-    assert saving == pytest.approx(27 * 0.09) and cost == pytest.approx(3 * 0.01 * 66 + 0.04)
+    assert p.expected() == PRIOR  # saving 27 (a + b (N + 1)), cost N b (62 + 4) + b (16 + 4)
+    admitted = [p.admit(n, n + 1) for n in range(8)]
+    assert admitted == [True] * 4 + [False] * 4  # N = 3: 2.43 > 2.18; N = 4: 2.70 < 2.84
+    saving, cost = p.price(3, 4)
+    assert saving == pytest.approx(27 * 0.09) and cost == pytest.approx(3 * 0.01 * 66 + 0.01 * 20)
+    assert p.price(3, 40)[0] == pytest.approx(27 * 0.45)  # R's steps are the batch's: 40 tokens (drafts) in it
     for _ in range(40):  # drafts rarely kept lately: only alone
-        p.ended(Ledger(shadow_tokens=62, drafted=60, accepted=4))
-    assert [p.admit(n) for n in range(3)] == [True, False, False]
-    assert p.state()["refused"] == 3 + 2 and p.state()["expected"]["accepted"] == 4
+        p.ended(Ledger(shadow_tokens=62, drafted=60, accepted=4, overlap=16))
+    assert [p.admit(n, n + 1) for n in range(3)] == [True, False, False]
+    assert p.state()["refused"] == 4 + 2 and p.state()["expected"]["accepted"] == 4
     for _ in range(40):  # kept well again: back beside a few others
-        p.ended(Ledger(shadow_tokens=40, drafted=31, accepted=30))
-    assert p.admit(2) and p.admit(6) and not p.admit(20)  # N = 6: 3.60 > 2.47; N = 20: 7.80 < 8.21
+        p.ended(Ledger(shadow_tokens=40, drafted=31, accepted=30, overlap=5))
+    assert p.admit(2, 3) and p.admit(6, 7) and not p.admit(20, 21)  # N = 6: 3.60 > 2.52; N = 20: 7.80 < 8.26
+
+
+def test_one_transfer_in_explore_refused_in_a_row_is_admitted_so_the_ledger_stays_measured():
+    p = Pricing()
+    _busy(p)
+    for _ in range(HISTORY):
+        p.ended(Ledger(shadow_tokens=62, drafted=60, accepted=0, overlap=16))  # nothing kept: never worth it ...
+    verdicts = [p.admit(5, 6) for _ in range(3 * EXPLORE)]
+    assert verdicts == ([False] * (EXPLORE - 1) + [True]) * 3  # ... but measured again every EXPLORE-th transfer
+    assert p.state()["explored"] == 3 and p.admit(0, 0)  # alone: always
 
 
 def _live(s, ids, xfer):
@@ -71,30 +82,36 @@ def test_the_scheduler_side_keeps_each_transfers_ledger_and_prices_shadows_besid
     s.step_meta([], [], {})
     assert s.matched("s0", ids, _shadow("x", 100), 0) == (100, True)  # alone: admitted
     s.allocated("s0", ids, _shadow("x", 100), [2, 3], 100)
-    # the shadow decodes 3 steps; R runs: 1 token, then 1 + 5 drafts (3 kept), then 1 + 4 (none kept)
-    for sched, computed in (({"s0": 1}, []), ({"s0": 1}, []), ({"s0": 1, "r-x": 1}, [("r-x", None, 100)]),
+    # the shadow decodes 3 steps; R runs: 1 token (+ vLLM's placeholders: not R's drafts), then 1 + 5 drafts (3
+    # kept), then 1 + 4 (none kept), then 1 + 2, whose verification is booked when R finishes (1 kept)
+    for sched, computed in (({"s0": 1}, []), ({"s0": 1}, []), ({"s0": 1, "r-x": 17}, [("r-x", None, 100)]),
                             ({"r-x": 6}, [("r-x", None, 101)]), ({"r-x": 5}, [("r-x", None, 105)]),
-                            ({"r-x": 1}, [("r-x", None, 106)])):
+                            ({"r-x": 3}, [("r-x", None, 106)])):
         t[0] += 0.1
         s.step_meta([], computed, sched)
-    assert s._xfers["x"].ledger == [3, 9, 3]
-    s.finished("s0", None)
-    s.finished("r-x", None)
+    assert s._xfers["x"].ledger == [3, 9, 3, 1]
+    shadow = s.finished("s0", None)["lynx"]["timeline"]
+    assert shadow == {"admitted": 0.0, "first_step": pytest.approx(0.1), "last_step": pytest.approx(0.3), "steps": 3,
+                      "batch_mean": 1.33}
+    real = s.finished("r-x", None, num_computed=108)["lynx"]["timeline"]  # R's: its steps, batch, transfer's ledger
+    assert real == {"admitted": 0.0, "first_step": pytest.approx(0.3), "last_step": pytest.approx(0.6), "steps": 4,
+                    "batch_mean": 1.25, "shadow_tokens": 3, "drafted": 11, "accepted": 4, "overlap": 1,
+                    "priced_out": 0, "others": 0}
     s.step_meta([], [], {})
-    assert s.pricing.expected() == Ledger(3, 9, 3)
+    assert s.pricing.expected() == Ledger(3, 11, 4, 1)
     # a busy engine (others running, steps of a + b n): a new transfer's shadow priced against them
     for i in range(64):
         n = 1 + i % 8
         s.step_meta([], [], {f"o{j}": 1 for j in range(n)})
         t[0] += 0.05 + 0.01 * n
-    s.step_meta([], [], {f"o{j}": 1 for j in range(8)})  # 8 others running now
+    s.step_meta([], [], {f"o{j}": 1 for j in range(16)})  # 16 others running now
     ids2 = list(range(200, 301))
     _live(s, ids2, "y")
     with caplog.at_level(logging.INFO, logger="lynx_hf.vllm"):
         assert s.matched("s1", ids2, _shadow("y", 100), 0) == (1, True)  # refused: claims one token and fails
     s.allocated("s1", ids2, _shadow("y", 100), [9], 1)
     (load,) = [m for m in s.step_meta([], [], {}).loads if m.req_id == "s1"]
-    assert load.error.startswith(PRICED) and "beside 8 running requests" in load.error
+    assert load.error.startswith(PRICED) and "beside 16 real requests" in load.error
     assert all(r.levelno == logging.INFO for r in caplog.records if "s1" in r.getMessage())  # a decision, no fault
     assert "y" not in s.step_meta([], [], {}).drafts  # no shadow: R decodes without drafts
     t[0] += 1.0
@@ -115,5 +132,19 @@ def test_with_pricing_off_every_shadow_that_fits_is_admitted():
         t[0] += 0.05 + 0.01 * n
     ids = list(range(101))
     _live(s, ids, "x")
-    assert not s.pricing.admit(8)  # the rule would refuse it ...
+    assert not s.pricing.admit(8, 8)  # the rule would refuse it ...
     assert s.matched("s0", ids, _shadow("x", 100), 0) == (100, True)  # ... but nobody asks it
+
+
+def test_others_are_the_real_requests_beside_a_transfer_not_shadows_and_loading_ones_count():
+    s = SchedulerSide("kv_consumer", clock=lambda: 0.0)
+    ids_x, ids_w, ids_y = list(range(101)), list(range(200, 301)), list(range(400, 501))
+    _live(s, ids_x, "x")
+    s.step_meta([], [], {})
+    assert s.matched("s0", ids_x, _shadow("x", 100), 0) == (100, True)
+    s.allocated("s0", ids_x, _shadow("x", 100), [2, 3], 100)
+    _live(s, ids_w, "w")  # loading: it runs soon
+    _live(s, ids_y, "y")
+    s.step_meta([], [], {"r-x": 1, "s0": 1, "plain": 1})  # R of x, its shadow, a plain request
+    assert s._others(s._xfers["y"]) == 3  # r-x, plain, r-w; not s0, not y's own R
+    assert s._others(s._xfers["x"]) == 3  # plain, r-w, r-y

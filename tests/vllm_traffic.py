@@ -204,7 +204,8 @@ def main():
     procs = [serve(model, P, KV, "kv_producer", secret, log),
              serve(model, D, KV, "kv_consumer", secret, log, ["--num-gpu-blocks-override", "32",
                    "--speculative-config", json.dumps({"method": "custom_class", "num_speculative_tokens": 8,
-                                                       "model": "lynx_hf.vllm.proposer.LynxProposer"})])]
+                                                       "model": "lynx_hf.vllm.proposer.LynxProposer"})],
+                   more={"price_shadows": False})]  # (every shadow admitted: KV pressure and drafted sampling tested)
     proxy = lambda port, shadows: subprocess.Popen(  # noqa: E731
         [sys.executable, "-m", "lynx_hf.vllm.proxy", "--prefill", f"http://127.0.0.1:{P}", "--decode",
          f"http://127.0.0.1:{D}", "--kv-port", str(KV), "--port", str(port), "--shadows", str(shadows)],

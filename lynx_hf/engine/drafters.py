@@ -8,10 +8,13 @@ row keeps the drafts that all live rows accepted (lock-step).
   * `ChainDrafter`: one token per row and step; exact greedy match or the speculative-sampling rule.
   * `TreeDrafter` (greedy): the frontier of a token tree per step, with per-node positions and tree masks; the
     verify pass runs the tree's likely nodes (`verify_min_prob`, at most `verify_nodes`) and keeps only the
-    accepted path's KV (gathered in place)."""
+    accepted path's KV (gathered in place). A node is verified only where it can pay (`verify_floor`): the chance
+    the full tier takes its path times the plain step an accepted token saves must exceed what the node adds to the
+    verify pass, both from this request's own draft steps."""
 from __future__ import annotations
 
 import math
+import time
 from abc import ABC, abstractmethod
 
 import torch
@@ -130,6 +133,7 @@ class TreeDrafter(Drafter):
         self.root_pos = state.position([self.n0 - 1] * state.B)               # [B]: the last verified token's
         self.stop = state.eos_ids  # never expanded
         self.floor = math.log(spec.verify_min_prob)  # nodes less likely than this are neither expanded nor verified
+        self.costs: list = []  # (positions per row, seconds) of each draft step
 
     def can_step(self) -> bool:
         return self.tree.size == 0 or self.tree.frontier.shape[1] > 0
@@ -146,6 +150,28 @@ class TreeDrafter(Drafter):
         return torch.cat([before[:, None, :].expand(-1, nodes.shape[1], -1), sees], -1)
 
     def step(self) -> None:
+        t, m = time.perf_counter(), self.next_nodes()
+        self._step()
+        self.costs.append((m, time.perf_counter() - t))
+
+    def verify_floor(self) -> float:
+        """log p*: the least calibrated path probability worth a place in the verify pass. The draft steps' times
+        fit T(m) = a + c·m over their frontier sizes m (one forward pass, m positions a row, as the verify pass has
+        n): a node adds c to the verify pass and, kept, saves a plain step of a + c, so it pays iff its path's
+        probability p > c / (a + c). `verify_min_prob`'s floor without `price_verify` or until two frontier sizes
+        were timed."""
+        ms = {m for m, _ in self.costs}
+        if not self.spec.price_verify or len(ms) < 2:
+            return self.floor
+        k = len(self.costs)
+        mm, mt = sum(m for m, _ in self.costs) / k, sum(t for _, t in self.costs) / k
+        c = sum((m - mm) * (t - mt) for m, t in self.costs) / sum((m - mm) ** 2 for m, _ in self.costs)
+        a = mt - c * mm
+        if c <= 0 or a + c <= 0:
+            return self.floor
+        return max(self.floor, math.log(min(1.0, c / (a + c))))
+
+    def _step(self) -> None:
         s, tree, spec = self.s, self.tree, self.spec
         if tree.size == 0:                                                          # the root: [B, 1, V]
             nodes, logits = None, s.forward(s.seq[:, self.n0 - 1:self.n0], self.root_pos[:, None], 1)
@@ -185,7 +211,8 @@ class TreeDrafter(Drafter):
 
     def verify(self):
         s, spec, P = self.s, self.spec, self.s.P
-        nodes = best_subtree(self.tree, spec.verify_nodes, spec.tree_cutoff, self.floor)  # [B, n], tree numbering
+        s.trace.stats.verify_bound = math.exp(floor := self.verify_floor())
+        nodes = best_subtree(self.tree, spec.verify_nodes, spec.tree_cutoff, floor)  # [B, n], tree numbering
         tok, par, dep = restrict(self.tree, nodes)                                  # subtree numbering 0..n-1
         sub = Tree(tok, par, dep, self.tree.score.gather(1, nodes))
         B, n, dev = s.B, nodes.shape[1], tok.device

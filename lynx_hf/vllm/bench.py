@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from . import bench_timeline
+from .bench_timeline import clocks
 from .servers import free_base, idle, serve, speculative, stop, wait_up
 from .servers import parse_metrics  # noqa: F401 — one of the pure parts (servers.py imports no vLLM, no aiohttp)
 
@@ -230,7 +232,7 @@ async def run_arm(url: str, reqs: list, arrivals: list, n32: int, engines: tuple
     bar = tqdm(total=len(reqs), desc=name, file=sys.stderr, unit="req")
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s),
                                      connector=aiohttp.TCPConnector(limit=0)) as s:
-        t0 = time.perf_counter()
+        t0, at = time.perf_counter(), clocks()
 
         async def go(i):
             await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
@@ -241,7 +243,7 @@ async def run_arm(url: str, reqs: list, arrivals: list, n32: int, engines: tuple
         rows = await asyncio.gather(*(go(i) for i in range(len(reqs))))
     bar.close()
     after = await idle(engines)
-    return {"rows": rows, "span_s": max(r["arrival_s"] + r["done_s"] for r in rows),
+    return {"rows": rows, "span_s": max(r["arrival_s"] + r["done_s"] for r in rows), "t0": t0, "clocks": at,
             "loadavg_1min": [load, os.getloadavg()[0]],  # (at its start and end: this machine's other work)
             "deltas": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in (DRAFTED, ACCEPTED, PREEMPTED)}}
 
@@ -396,7 +398,8 @@ def main(argv=None) -> int:
     out, t_start, load0 = Path(a.out_dir), time.time(), os.getloadavg()
     out.mkdir(parents=True, exist_ok=True)
     engines = (f"http://127.0.0.1:{a.port}", f"http://127.0.0.1:{a.port + 1}")
-    log_path = out / "vllm_bench_servers.log"
+    log_path, tlog = out / "vllm_bench_servers.log", out / "vllm_bench_transfers.jsonl"
+    tlog.unlink(missing_ok=True)  # (the decode instance appends a line per finished Lynx request: the timelines)
     say(f"starting a prefill and a decode vllm serve ({a.model}; link {a.bandwidth_mbps:g} Mbit/s; log {log_path})")
     with open(log_path, "w") as log:
         secret = secrets.token_hex(16)  # one for both instances
@@ -404,7 +407,8 @@ def main(argv=None) -> int:
         procs = [serve(a.model, a.port, a.port + 2, "kv_producer", secret, log, ENGINE_FLAGS, a.bandwidth_mbps,
                        cores=cores["prefill"]),
                  serve(a.model, a.port + 1, a.port + 2, "kv_consumer", secret, log,
-                       [*ENGINE_FLAGS, *speculative(a.num_speculative_tokens)], cores=cores["decode"])]
+                       [*ENGINE_FLAGS, *speculative(a.num_speculative_tokens)], cores=cores["decode"],
+                       more={"transfer_log": str(tlog)})]
         try:
             for e in engines:
                 wait_up(f"{e}/health", procs)
@@ -416,6 +420,7 @@ def main(argv=None) -> int:
             stop(procs)
     per = [{k: arm_stats(arms[k]["rows"], arms[k]["span_s"], arms[k]["deltas"]) for k in MEASURED}
            for arms in res["rounds"]]
+    ph = timelines(res["rounds"], tlog)
     methods, spread, ratios = over_rounds(per)
     s = {**summary(a.requests, a.rate, methods), "rounds": a.repeat, "ratios": ratios, "cores": cores}
     tt2t = {k: (spread_of([percentile([r["tt2t_s"] for r in arms[k]["rows"] if r["error"] is None], 50)
@@ -428,12 +433,15 @@ def main(argv=None) -> int:
         f"{res['orders']}; seconds from each request's scheduled arrival; this machine's 1-min load average at each "
         f"arm's start and end: {load}\n" + table(s, tt2t)
         + (f"\nmedians over {a.repeat} rounds (counts: sums); per-round paired ratios, median [min, max]:\n"
-           + ratio_lines(ratios) if a.repeat > 1 else "\nratios (one round):\n" + ratio_lines(ratios)))
+           + ratio_lines(ratios) if a.repeat > 1 else "\nratios (one round):\n" + ratio_lines(ratios))
+        + "\nwhere the time goes (medians over every request, s from its arrival; bench_timeline.py):\n"
+        + phase_lines(ph))
     settings = {**{k: getattr(a, k) for k in ("requests", "rate", "seed", "new_tokens", "prompt_min", "prompt_max",
                                               "bandwidth_mbps", "num_speculative_tokens", "repeat")},
                 "engine_flags": ENGINE_FLAGS, "loadavg_start": load0, "loadavg_end": os.getloadavg()}
     (out / "vllm_bench.json").write_text(json.dumps({
         "summary": s, "settings": settings, "orders": res["orders"], "spread": spread, "tt2t_p50_s": tt2t,
+        "phases": ph,
         "per_round": per, "wall_s": round(time.time() - t_start, 1),
         "rows": [{"round": j, "arm": k, **r} for j, (order, arms) in enumerate(zip(res["orders"], res["rounds"]))
                  for k in order for r in arms[k]["rows"]],
@@ -442,10 +450,37 @@ def main(argv=None) -> int:
     pooled = {k: {"rows": [r for arms in res["rounds"] for r in arms[k]["rows"]]} for k in MEASURED}
     plot(pooled, out / "vllm_bench.png", f"Lynx in vLLM under load: {a.requests} requests at {a.rate:g}/s, "
          f"{a.bandwidth_mbps:g} Mbit/s, {a.new_tokens} new tokens, {a.repeat} round(s) pooled")
-    say(f"wrote {out / 'vllm_bench.json'} and {out / 'vllm_bench.png'}")
+    bench_timeline.plot({k: res["rounds"][0][k]["rows"] for k in res["orders"][0]}, out / "vllm_bench_timeline.png",
+                        f"round 1 of {a.repeat}: a line per request ({a.requests} at {a.rate:g}/s)")
+    say(f"wrote {out / 'vllm_bench.json'}, {out / 'vllm_bench.png'} and {out / 'vllm_bench_timeline.png'}")
     if a.json:
         print(json.dumps(s), flush=True)
     return 0
+
+
+def timelines(rounds: list[dict], tlog: Path) -> dict:
+    """Sets every row's `timeline` (bench_timeline.py) from the decode instance's transfer_log; → each arm's
+    `phases` over all rounds."""
+    logs, out = bench_timeline.read_log(tlog), {}
+    for arms in rounds:
+        for run in arms.values():
+            for r in run["rows"]:
+                r["timeline"] = bench_timeline.timeline(r, logs.get(r["xfer"], []), run["t0"], run["clocks"])
+    for k in rounds[0]:
+        out[k] = bench_timeline.phases([r["timeline"] for arms in rounds for r in arms[k]["rows"]])
+    return out
+
+
+def phase_lines(ph: dict) -> str:
+    """The phases as a table: prefill done, KV landed, R's first step, TT32T, R's batch and step, KV landed → R's
+    first step, shadows run and priced out."""
+    cols = (("prefill", "prefill_done"), ("KV in", "full_landed"), ("R first", "first_step"), ("TT32T", "tt32t"),
+            ("batch", "batch_mean"), ("step s", "step_s"), ("in->R", "landed_to_first_step"),
+            ("shadows", "shadows"), ("priced", "priced_out"))
+    f = lambda x: f"{'-':>9}" if x is None else f"{x:>9.3g}" if isinstance(x, float) else f"{x:>9}"  # noqa: E731
+    head = "  " + f"{'':<6}" + "".join(f"{h:>10}" for h, _ in cols)
+    return "\n".join([head] + ["  " + f"{k:<6}" + "".join(" " + f(v.get(c)) for _, c in cols)
+                               for k, v in ph.items()])
 
 
 def ratio_lines(ratios: dict) -> str:

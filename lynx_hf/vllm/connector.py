@@ -248,7 +248,7 @@ class LynxConnector(KVConnectorBase_V1):
             self._sched.worker_meta(meta.stats)
 
     def request_finished(self, request, block_ids: list[int]):
-        params = self._sched.finished(request.request_id, request.kv_transfer_params)
+        params = self._sched.finished(request.request_id, request.kv_transfer_params, request.num_computed_tokens)
         if params is not None and self._log is not None:
             self._log.write(json.dumps(params["lynx"]) + "\n")
         return False, params

@@ -199,9 +199,12 @@ class _Xfer:
     loading: set = field(default_factory=set)    # shadows holding blocks, not scheduled yet
     preempted: set = field(default_factory=set)  # shadows vLLM preempted: never reloaded
     rivals: set = field(default_factory=set)
-    priced: set = field(default_factory=set)     # shadows the pricing rule admitted (asked once each)
-    ledger: list = field(default_factory=lambda: [0, 0, 0])  # S, D, A (pricing.py's terms)
+    verdict: bool | None = None                  # the pricing rule's, for all its shadows (asked once)
+    ledger: list = field(default_factory=lambda: [0, 0, 0, 0])  # S, D, A, S_R (pricing.py's terms)
     r_last: tuple | None = None                  # R's (computed, scheduled) in the last step it ran
+    times: dict = field(default_factory=dict)    # member -> its timeline (`_timeline`)
+    others: int | None = None                    # requests beside it when its first shadow was priced
+    priced_out: int = 0                          # shadows the pricing rule refused
 
 
 class SchedulerSide:
@@ -236,7 +239,7 @@ class SchedulerSide:
         self._pass_bytes = 0                  # held bytes new transfers matched in this pass would add
         self._pressure = False                # some load could not get blocks in the last pass
         self._stats: dict[str, dict] = {}
-        self.pricing, self._running = Pricing(), set()  # shadows priced against the last step's requests
+        self.pricing, self._running, self._tokens = Pricing(), set(), 0  # the last step's requests and tokens
         self.price_shadows = price_shadows
         self.held = 0                         # bytes the decode side may hold for live transfers
 
@@ -332,14 +335,23 @@ class SchedulerSide:
         if (p["prompt_len"], p["method"]) != (x.P, x.method) or token_digest(prompt_ids[:x.P + 1]) != x.key:
             return (f"its prompt_len, method or first {x.P + 1} tokens differ from its transfer's real request "
                     f"({x.P}, {x.method!r})")
-        if self.price_shadows and req_id not in x.priced:
-            others = len(self._running - x.members - {x.r})
-            if not self.pricing.admit(others):
-                saving, cost = self.pricing.price(others)
-                return (f"{PRICED} beside {others} running requests its transfer's drafts would save "
+        if self.price_shadows:
+            if x.verdict is None:  # once per transfer: its shadows come or go together
+                x.others = self._others(x)
+                x.verdict = self.pricing.admit(x.others, self._tokens)
+            if not x.verdict:
+                x.priced_out += 1
+                saving, cost = self.pricing.price(x.others, self._tokens)
+                return (f"{PRICED} beside {x.others} real requests its transfer's drafts would save "
                         f"{saving:.2f} request-s and cost {cost:.2f} (pricing.py; {self.pricing.state()})")
-            x.priced.add(req_id)
         return None
+
+    def _others(self, x: _Xfer) -> int:
+        """pricing.py's N for transfer x: the real requests beside its own — running and no transfer's shadow, or
+        another transfer's R still loading."""
+        shadows = set().union(*(y.members - {y.r} for y in self._xfers.values()))
+        loading = {y.r for y in self._xfers.values() if y.r is not None and y.r_state == "loading"}
+        return len(((self._running - shadows) | loading) - {x.r})
 
     def _note(self, req_id: str, prompt_ids, claims: str | None) -> None:
         """A request seen: a rival of every live transfer whose key its prompt starts with (unless it claims it)."""
@@ -393,6 +405,8 @@ class SchedulerSide:
             self.held += x.bound
             x.rivals = {r for r, (ids, claims) in self._prompts.items() if claims != xfer and _starts_with(ids, x)}
         x.members.add(req_id)
+        x.times.setdefault(req_id, {"admitted": self.clock(), "first_step": None, "last_step": None, "steps": 0,
+                                    "batch": 0})  # (a preempted R reloading keeps its first admission)
         self._pass_alloc.add(req_id)
         if p["tier"] == "full":
             x.r, x.r_state = req_id, "loading"
@@ -436,20 +450,35 @@ class SchedulerSide:
     def _account(self, new_reqs, cached, num_scheduled: dict) -> None:
         """The step model's step and each transfer's ledger (pricing.py): its shadows' tokens; R's drafts verified
         in the last step it ran (scheduled beyond its one token) and kept (how far its computed tokens moved on)."""
-        self.pricing.step(self.clock(), sum(num_scheduled.values()))
+        now, self._tokens = self.clock(), sum(num_scheduled.values())
+        self.pricing.step(now, self._tokens)
         self._running = set(num_scheduled)
         computed = {r: c for r, _, c in new_reqs} | {r: c for r, _, c in cached}
         for x in self._xfers.values():
+            for m in ((x.members | {x.r}) & self._running) - {None}:
+                t = x.times.get(m)
+                if t is not None:
+                    t["first_step"] = now if t["first_step"] is None else t["first_step"]
+                    t["last_step"], t["steps"], t["batch"] = now, t["steps"] + 1, t["batch"] + len(num_scheduled)
             if not x.shadows:
                 continue
-            x.ledger[0] += sum(num_scheduled.get(m, 0) for m in x.members if m != x.r)
+            s_tokens = sum(num_scheduled.get(m, 0) for m in x.members if m != x.r)
+            x.ledger[0] += s_tokens
             if x.r not in num_scheduled or x.r not in computed:
                 continue
-            if x.r_last is not None and x.r_last[1] > 1:
-                k = x.r_last[1] - 1
-                x.ledger[1] += k
-                x.ledger[2] += min(k, max(0, computed[x.r] - x.r_last[0] - 1))
-            x.r_last = (computed[x.r], num_scheduled[x.r])
+            x.ledger[3] += s_tokens
+            self._book(x, computed[x.r])
+            # (R's first step: vLLM's K placeholder drafts for a request that loaded remote KV, whatever the method)
+            x.r_last = (computed[x.r], 1 if x.r_last is None else num_scheduled[x.r])
+
+    @staticmethod
+    def _book(x: _Xfer, computed: int) -> None:
+        """R's drafts of the last step it ran, verified (scheduled beyond its one token) and kept (how far its
+        computed tokens moved on since): `computed` is R's count now."""
+        if x.r_last is not None and x.r_last[1] > 1:
+            k = x.r_last[1] - 1
+            x.ledger[1] += k
+            x.ledger[2] += min(k, max(0, computed - x.r_last[0] - 1))
 
     def _saves(self, meta: StepMeta, new_reqs, cached, num_scheduled, preempted: set, resumed: set) -> None:
         for rid in preempted & set(self._produce):  # its blocks are gone: a resumed one brings a whole new table
@@ -482,12 +511,18 @@ class SchedulerSide:
             if rid in self._loading:
                 self._stats.setdefault(rid, {}).update(s)
 
-    def finished(self, req_id: str, params) -> dict | None:
-        """The kv_transfer_params a finished request returns: its transfer's bytes and arrival times."""
+    def finished(self, req_id: str, params, num_computed: int | None = None) -> dict | None:
+        """The kv_transfer_params a finished request returns: its transfer's bytes and arrival times, and its
+        timeline. num_computed: its computed tokens at the end (books a real request's last verification)."""
+        x = next((x for x in self._xfers.values() if x.r == req_id), None)
+        if x is not None and x.shadows and num_computed is not None:
+            self._book(x, num_computed)
+            x.r_last = None
         for d in (self._produce, self._refuse, self._prompts, self._seen_at):
             d.pop(req_id, None)
         self._saved.discard(req_id)
         load, stats = self._loading.pop(req_id, None), self._stats.pop(req_id, None)
+        timeline = next((self._timeline(x, req_id) for x in self._xfers.values() if req_id in x.times), None)
         for xfer, x in list(self._xfers.items()):
             x.rivals.discard(req_id)
             x.members.discard(req_id)
@@ -498,7 +533,20 @@ class SchedulerSide:
         if load is None or load.error is not None:
             return None
         return {"lynx": {"xfer": load.xfer, "tier": load.tier, "start": load.start, "prompt_len": load.prompt_len,
-                         **(stats or {})}}
+                         **(stats or {}), **({"timeline": timeline} if timeline else {})}}
+
+    def _timeline(self, x: _Xfer, req_id: str) -> dict:
+        """A member's timeline (scheduler clock, seconds): admitted (got blocks for its load), first and last step
+        it ran, its steps and the mean batch it ran in; for R also its transfer's ledger at R's end (shadow tokens,
+        R's drafts verified and kept — not counting vLLM's placeholders on its first step, which /metrics counts —,
+        shadow tokens in R's steps), the shadows priced out and the real requests beside it when priced."""
+        t = x.times.pop(req_id)
+        out = {**{k: t[k] for k in ("admitted", "first_step", "last_step", "steps")},
+               "batch_mean": round(t["batch"] / t["steps"], 2) if t["steps"] else None}
+        if req_id == x.r:
+            out.update(shadow_tokens=x.ledger[0], drafted=x.ledger[1], accepted=x.ledger[2], overlap=x.ledger[3],
+                       priced_out=x.priced_out, others=x.others)
+        return out
 
     def _end(self, xfer: str) -> None:
         x = self._xfers.pop(xfer)

@@ -2,20 +2,23 @@
 before it admits one (hooks.py calls `Pricing.admit`).
 
 Terms. A *step* is one scheduler step of the decode engine: the time from one `build_connector_meta` call to the
-next while requests run, and the tokens n vLLM scheduled in it (drafts included). The *step model* T(n) = a + b·n is
-the least-squares line through the last `WINDOW` such steps: b is what one more token in a step costs every request
-in it. A Lynx transfer's *ledger*, kept while it is live: S, the tokens its shadows were scheduled (their decoding);
-D and A, the drafts its real request R verified and the drafts R kept. The expected ledger is the mean over the last
-`HISTORY` transfers that had shadows (`PRIOR` until one ends). *Others* N: the requests the engine ran in its last
-step that are not the transfer's.
+next while requests run (the forward, the sampler, the proposer, and the worker's KV placement), and the tokens n
+vLLM scheduled in it (drafts included). The *step model* T(n) = a + b·n is the least-squares line through the last
+`WINDOW` such steps: b is what one more token in a step costs every request in it. A Lynx transfer's *ledger*,
+kept while it is live: S, the tokens its shadows were scheduled; S_R, those in steps its real request R ran too;
+D and A, the drafts R verified and kept (R's first step left out: vLLM gives every request that loaded remote KV K
+placeholder drafts there, whatever the method). The expected ledger is the mean over the last `HISTORY` transfers
+that had shadows (`PRIOR` until one ends). *Others* N: the real requests beside the transfer's — running and no
+transfer's shadow, or another transfer's R still loading (it runs soon); n̄: the tokens of the engine's last step.
 
 Rule. Each token a transfer adds to a step makes that step b longer for every request in it, so its shadows cost
-the others N·b·(S + D − A) request-seconds (the shadows' tokens and R's rejected drafts) and R itself b·(D − A),
-and they save R the A steps its kept drafts stand for, A·T(N + 1). A shadow is admitted iff the saving is larger.
-Alone (N = 0) a shadow costs no other request: admitted (which also keeps the ledger measured). As the engine
-fills, the cost grows with N while the saving grows only with T(N + 1), so shadows yield; as it empties they return.
-Both shadows of a transfer are priced by the same figures (the ledger is per transfer), so they come or go
-together. The figures that set the rule are in `state()`, and docs/vllm.md ("Under load")."""
+the others N·b·(S + D − A) request-seconds (the shadows' tokens and R's rejected drafts) and R itself
+b·(S_R + D − A); they save R the A steps its kept drafts stand for, A·T(max(n̄, N + 1)). A transfer's shadows are
+admitted iff the saving is larger, decided once per transfer (its shadows come or go together). Alone (N = 0)
+they cost no other request: admitted, which keeps the ledger measured; and one transfer in `EXPLORE` refused in a
+row is admitted anyway, so the ledger keeps measuring what shadows win at today's load. As the engine fills, the
+cost grows with N while the saving grows only with the step, so shadows yield; as it empties they return. The
+figures behind it are in `state()`; docs/vllm.md ("Under load") states the rule with the figures measured."""
 from __future__ import annotations
 
 import collections
@@ -25,17 +28,20 @@ WINDOW = 256            # steps in the step model
 HISTORY = 32            # transfers in the expected ledger
 MIN_STEPS = 16          # below this many steps (or without spread in n) b is not identified: shadows admitted
 MAX_STEP_S = 30.0       # a longer gap is the engine idling between requests, not a step
+EXPLORE = 8             # one transfer in this many refused in a row is admitted anyway (the ledger stays measured)
 
 
 @dataclass(frozen=True)
 class Ledger:
-    """One transfer's shadow tokens S, drafts its real request verified D and kept A."""
+    """One transfer's shadow tokens S, drafts its real request verified D and kept A, and S_R (`overlap`): the
+    shadow tokens of steps R ran in too."""
     shadow_tokens: float
     drafted: float
     accepted: float
+    overlap: float = 0.0
 
 
-PRIOR = Ledger(shadow_tokens=62.0, drafted=31.0, accepted=27.0)  # one request alone (docs/vllm.md: 2 x 31, 27 kept)
+PRIOR = Ledger(shadow_tokens=62.0, drafted=31.0, accepted=27.0, overlap=16.0)  # one request alone: 2 x 31, 27 kept
 
 
 class Pricing:
@@ -45,7 +51,8 @@ class Pricing:
         self._steps: collections.deque = collections.deque(maxlen=window)  # (tokens, seconds)
         self._ledgers: collections.deque = collections.deque(maxlen=history)
         self._last: tuple[float, int] | None = None  # (when the last step was scheduled, its tokens)
-        self.admitted = self.refused = 0
+        self.admitted = self.refused = self.explored = 0
+        self._run = 0  # transfers refused in a row
 
     def step(self, t: float, tokens: int) -> None:
         """A step scheduled at time t with `tokens` tokens; the previous step's duration is t minus its start."""
@@ -75,23 +82,28 @@ class Pricing:
             return PRIOR
         k = len(self._ledgers)
         return Ledger(*(sum(getattr(x, f) for x in self._ledgers) / k
-                        for f in ("shadow_tokens", "drafted", "accepted")))
+                        for f in ("shadow_tokens", "drafted", "accepted", "overlap")))
 
-    def price(self, others: int) -> tuple[float, float] | None:
-        """(saving, cost) in request-seconds of a transfer's shadows beside `others` requests (None: not priced
-        yet, b unknown)."""
+    def price(self, others: int, tokens: int) -> tuple[float, float] | None:
+        """(saving, cost) in request-seconds of a transfer's shadows beside `others` real requests, the last step
+        having had `tokens` tokens (None: not priced yet, b unknown)."""
         ab = self.model()
         if ab is None:
             return None
         a, b = ab
         e = self.expected()
         rejected = max(0.0, e.drafted - e.accepted)
-        return e.accepted * (a + b * (others + 1)), others * b * (e.shadow_tokens + rejected) + b * rejected
+        saving = e.accepted * (a + b * max(tokens, others + 1))
+        return saving, others * b * (e.shadow_tokens + rejected) + b * (e.overlap + rejected)
 
-    def admit(self, others: int) -> bool:
-        """Whether a shadow is worth admitting beside `others` requests (counted)."""
-        p = None if others == 0 else self.price(others)
+    def admit(self, others: int, tokens: int) -> bool:
+        """Whether a transfer's shadows are worth admitting beside `others` real requests (counted)."""
+        p = None if others == 0 else self.price(others, tokens)
         ok = p is None or p[0] > p[1]
+        self._run = 0 if ok else self._run + 1
+        if self._run >= EXPLORE:
+            ok, self._run = True, 0
+            self.explored += 1
         self.admitted += ok
         self.refused += not ok
         return ok
@@ -101,4 +113,4 @@ class Pricing:
         ab, e = self.model(), self.expected()
         return {"a_s": None if ab is None else round(ab[0], 6), "b_s": None if ab is None else round(ab[1], 6),
                 "steps": len(self._steps), "transfers": len(self._ledgers), "expected": e.__dict__,
-                "admitted": self.admitted, "refused": self.refused}
+                "admitted": self.admitted, "refused": self.refused, "explored": self.explored}

@@ -388,7 +388,7 @@ class Subscription:
         self.pieces = self.expected[0]  # per tier: one piece per (layer, kind, start)
         self.error: str | None = None
         self._bytes_in = {Stream.ANCHOR: 0, Stream.RESIDUAL: 0}
-        self._arrived_at: dict[str, float] = {}  # "anchor" / "full": when that tier's last segment arrived
+        self._arrived_at: dict[str, float] = {}  # "first": the first segment; "anchor" / "full": that tier's last
         self._inbox: collections.deque[Arrival] = collections.deque()  # received, not yet checked (drain)
         self._held: dict = {}                    # (layer, kind, start) -> SplitKV (its residual once it landed)
         self._order = {"anchor": [], "full": []}  # per tier: the keys of its held pieces, in arrival order
@@ -419,7 +419,8 @@ class Subscription:
         return (*key, dequantize(self._held[key], tier))
 
     def times(self) -> dict:
-        """{"bytes", "anchor_bytes", "anchor_at", "full_at"} so far (times: time.time() of a tier's last segment)."""
+        """{"bytes", "anchor_bytes", "first_at", "anchor_at", "full_at"} so far (times: time.time() of the first
+        segment, of a tier's last)."""
         with self._lock:
             return {"bytes": sum(self._bytes_in.values()), "anchor_bytes": self._bytes_in[Stream.ANCHOR],
                     **{f"{t}_at": v for t, v in self._arrived_at.items()}}
@@ -485,6 +486,7 @@ class Subscription:
             with self._lock:
                 self._bytes_in[a.stream] += len(f.payload)
                 self._inbox.append(a)
+                self._arrived_at.setdefault("first", now)
                 if got[Stream.ANCHOR] == self.expected[0] and "anchor" not in self._arrived_at:
                     self._arrived_at["anchor"] = now
                 if got[Stream.ANCHOR] + got[Stream.RESIDUAL] == total:
