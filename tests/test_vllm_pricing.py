@@ -30,35 +30,37 @@ def test_the_step_model_is_the_line_through_busy_steps_and_idle_gaps_are_not_ste
     flat = Pricing()
     for i in range(MIN_STEPS * 2):
         flat.step(i * 0.1, 4)  # no spread in tokens: a and b cannot be told apart
-    assert flat.model() is None and flat.admit(10, 40)  # not priced: admitted
+    assert flat.model() is None and flat.admit(10, 40, True)  # not priced: admitted
 
 
 def test_a_shadow_is_admitted_alone_and_yields_as_the_engine_fills():
     p = Pricing()
     _busy(p)  # a = 50 ms, b = 10 ms a token
-    assert p.expected() == PRIOR  # saving 27 (a + b (N + 1)), cost N b (62 + 4) + b (16 + 4)
-    admitted = [p.admit(n, n + 1) for n in range(8)]
+    assert p.expected(True) == PRIOR == p.expected(False)  # saving 27 (a + b (N + 1)), cost N b (62 + 4) + b (16 + 4)
+    admitted = [p.admit(n, n + 1, True) for n in range(8)]
     assert admitted == [True] * 4 + [False] * 4  # N = 3: 2.43 > 2.18; N = 4: 2.70 < 2.84
-    saving, cost = p.price(3, 4)
+    saving, cost = p.price(3, 4, True)
     assert saving == pytest.approx(27 * 0.09) and cost == pytest.approx(3 * 0.01 * 66 + 0.01 * 20)
-    assert p.price(3, 40)[0] == pytest.approx(27 * 0.45)  # R's steps are the batch's: 40 tokens (drafts) in it
+    assert p.price(3, 40, True)[0] == pytest.approx(27 * 0.45)  # R's steps are the batch's: 40 tokens (drafts) in it
     for _ in range(40):  # drafts rarely kept lately: only alone
-        p.ended(Ledger(shadow_tokens=62, drafted=60, accepted=4, overlap=16))
-    assert [p.admit(n, n + 1) for n in range(3)] == [True, False, False]
-    assert p.state()["refused"] == 4 + 2 and p.state()["expected"]["accepted"] == 4
+        p.ended(Ledger(shadow_tokens=62, drafted=60, accepted=4, overlap=16), True)
+    assert [p.admit(n, n + 1, True) for n in range(3)] == [True, False, False]
+    assert p.state()["refused"] == 4 + 2 and p.state()["expected"]["greedy"]["accepted"] == 4
+    assert p.admit(3, 4, False)  # sampled transfers: their own ledger (the prior still)
     for _ in range(40):  # kept well again: back beside a few others
-        p.ended(Ledger(shadow_tokens=40, drafted=31, accepted=30, overlap=5))
-    assert p.admit(2, 3) and p.admit(6, 7) and not p.admit(20, 21)  # N = 6: 3.60 > 2.52; N = 20: 7.80 < 8.26
+        p.ended(Ledger(shadow_tokens=40, drafted=31, accepted=30, overlap=5), True)
+    assert p.admit(2, 3, True) and p.admit(6, 7, True) and not p.admit(20, 21, True)  # N = 6: 3.60 > 2.52; N = 20: 7.80 < 8.26
 
 
 def test_one_transfer_in_explore_refused_in_a_row_is_admitted_so_the_ledger_stays_measured():
     p = Pricing()
     _busy(p)
-    for _ in range(HISTORY):
-        p.ended(Ledger(shadow_tokens=62, drafted=60, accepted=0, overlap=16))  # nothing kept: never worth it ...
-    verdicts = [p.admit(5, 6) for _ in range(3 * EXPLORE)]
+    for _ in range(HISTORY):  # sampled shadows (a seed of their own) kept nothing: never worth it ...
+        p.ended(Ledger(shadow_tokens=62, drafted=60, accepted=0, overlap=16), False)
+    verdicts = [p.admit(5, 6, False) for _ in range(3 * EXPLORE)]
     assert verdicts == ([False] * (EXPLORE - 1) + [True]) * 3  # ... but measured again every EXPLORE-th transfer
-    assert p.state()["explored"] == 3 and p.admit(0, 0)  # alone: always
+    assert p.state()["explored"] == 3 and p.admit(0, 0, False)  # alone: always
+    assert p.admit(2, 3, True)  # greedy transfers priced by their own ledger (the prior)
 
 
 def _live(s, ids, xfer):
@@ -98,7 +100,7 @@ def test_the_scheduler_side_keeps_each_transfers_ledger_and_prices_shadows_besid
                     "batch_mean": 1.25, "shadow_tokens": 3, "drafted": 11, "accepted": 4, "overlap": 1,
                     "priced_out": 0, "others": 0}
     s.step_meta([], [], {})
-    assert s.pricing.expected() == Ledger(3, 11, 4, 1)
+    assert s.pricing.expected(False) == Ledger(3, 11, 4, 1)  # (matched without greedy=: a sampled transfer)
     # a busy engine (others running, steps of a + b n): a new transfer's shadow priced against them
     for i in range(64):
         n = 1 + i % 8
@@ -125,14 +127,14 @@ def test_with_pricing_off_every_shadow_that_fits_is_admitted():
     t = [0.0]
     s = SchedulerSide("kv_consumer", clock=lambda: t[0], price_shadows=False)
     for _ in range(40):
-        s.pricing.ended(Ledger(shadow_tokens=62, drafted=60, accepted=0))  # drafts never kept
+        s.pricing.ended(Ledger(shadow_tokens=62, drafted=60, accepted=0), False)  # drafts never kept
     for i in range(64):
         n = 1 + i % 8
         s.step_meta([], [], {f"o{j}": 1 for j in range(n)})
         t[0] += 0.05 + 0.01 * n
     ids = list(range(101))
     _live(s, ids, "x")
-    assert not s.pricing.admit(8, 8)  # the rule would refuse it ...
+    assert not s.pricing.admit(8, 8, False)  # the rule would refuse it ...
     assert s.matched("s0", ids, _shadow("x", 100), 0) == (100, True)  # ... but nobody asks it
 
 

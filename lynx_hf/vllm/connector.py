@@ -227,7 +227,8 @@ class LynxConnector(KVConnectorBase_V1):
             if why:
                 return self._sched.refuse(request.request_id, why)
         return self._sched.matched(request.request_id, request.prompt_token_ids or [], request.kv_transfer_params,
-                                   num_computed_tokens, request.cache_salt, request.skip_reading_prefix_cache)
+                                   num_computed_tokens, request.cache_salt, request.skip_reading_prefix_cache,
+                                   greedy=sp is not None and sp.temperature < 1e-5)  # (vLLM's greedy)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self._sched.allocated(request.request_id, request.prompt_token_ids or [], request.kv_transfer_params,

@@ -200,6 +200,7 @@ class _Xfer:
     preempted: set = field(default_factory=set)  # shadows vLLM preempted: never reloaded
     rivals: set = field(default_factory=set)
     verdict: bool | None = None                  # the pricing rule's, for all its shadows (asked once)
+    greedy: bool = False                         # its shadows decode greedily (the ledger's kind)
     ledger: list = field(default_factory=lambda: [0, 0, 0, 0])  # S, D, A, S_R (pricing.py's terms)
     r_last: tuple | None = None                  # R's (computed, scheduled) in the last step it ran
     times: dict = field(default_factory=dict)    # member -> its timeline (`_timeline`)
@@ -245,11 +246,12 @@ class SchedulerSide:
 
     # ---- get_num_new_matched_tokens ------------------------------------------------------------------------
     def matched(self, req_id: str, prompt_ids: list, params, num_computed: int, salt: str | None = None,
-                local: bool = False) -> tuple[int | None, bool]:
+                local: bool = False, greedy: bool = False) -> tuple[int | None, bool]:
         """Tokens to load beyond the local prefix hit `num_computed` and whether asynchronously; (None, False):
         not now (vLLM skips the request this step). salt: the request's cache_salt (with `self.salted`, prefix
         caching on, a consume request's must name its transfer); local: vLLM will not load for it (it skips reading
-        the prefix cache, e.g. prompt_logprobs): it computes its prompt itself, exact, without Lynx."""
+        the prefix cache, e.g. prompt_logprobs): it computes its prompt itself, exact, without Lynx; greedy: it
+        decodes greedily (a shadow's drafts are priced by what greedy or sampled transfers kept)."""
         if self.role == "kv_producer":
             return 0, False
         if req_id in self._refuse:
@@ -278,7 +280,8 @@ class SchedulerSide:
         if P > len(prompt_ids) - 1:
             return self.refuse(req_id, f"prompt_len {P} needs a prompt of at least {P + 1} tokens (the prompt "
                                          f"and its first token), got {len(prompt_ids)}")
-        why = self._admit_real(req_id, p) if p["tier"] == "full" else self._admit_shadow(req_id, p, prompt_ids)
+        why = self._admit_real(req_id, p) if p["tier"] == "full" else self._admit_shadow(req_id, p, prompt_ids,
+                                                                                          greedy)
         if why is WAIT:
             return None, False
         if why:
@@ -317,7 +320,7 @@ class SchedulerSide:
         self._pass_bytes += bound
         return None
 
-    def _admit_shadow(self, req_id: str, p: dict, prompt_ids: list):
+    def _admit_shadow(self, req_id: str, p: dict, prompt_ids: list, greedy: bool = False):
         x, now = self._xfers.get(p["xfer"]), self.clock()
         waited = now - self._seen_at.setdefault(req_id, now)
         if x is None or x.r is None:
@@ -337,11 +340,11 @@ class SchedulerSide:
                     f"({x.P}, {x.method!r})")
         if self.price_shadows:
             if x.verdict is None:  # once per transfer: its shadows come or go together
-                x.others = self._others(x)
-                x.verdict = self.pricing.admit(x.others, self._tokens)
+                x.others, x.greedy = self._others(x), greedy
+                x.verdict = self.pricing.admit(x.others, self._tokens, greedy)
             if not x.verdict:
                 x.priced_out += 1
-                saving, cost = self.pricing.price(x.others, self._tokens)
+                saving, cost = self.pricing.price(x.others, self._tokens, x.greedy)
                 return (f"{PRICED} beside {x.others} real requests its transfer's drafts would save "
                         f"{saving:.2f} request-s and cost {cost:.2f} (pricing.py; {self.pricing.state()})")
         return None
@@ -552,7 +555,7 @@ class SchedulerSide:
         x = self._xfers.pop(xfer)
         self.held -= x.bound
         if x.shadows:
-            self.pricing.ended(Ledger(*x.ledger))
+            self.pricing.ended(Ledger(*x.ledger), x.greedy)
         self._closed.append(xfer)
         self._ended[xfer] = self.clock()
         while len(self._ended) > MAX_ENDED:

@@ -7,15 +7,16 @@ vLLM scheduled in it (drafts included). The *step model* T(n) = a + b·n is the 
 `WINDOW` such steps: b is what one more token in a step costs every request in it. A Lynx transfer's *ledger*,
 kept while it is live: S, the tokens its shadows were scheduled; S_R, those in steps its real request R ran too;
 D and A, the drafts R verified and kept (R's first step left out: vLLM gives every request that loaded remote KV K
-placeholder drafts there, whatever the method). The expected ledger is the mean over the last `HISTORY` transfers
-that had shadows (`PRIOR` until one ends). *Others* N: the real requests beside the transfer's — running and no
+placeholder drafts there, whatever the method). The expected ledger of a *kind* — greedy or sampled: a sampled
+shadow draws with a seed of its own, so its chain rarely stays on R's — is the mean over the last `HISTORY`
+transfers of that kind that had shadows (`PRIOR` until one ends). *Others* N: the real requests beside the transfer's — running and no
 transfer's shadow, or another transfer's R still loading (it runs soon); n̄: the tokens of the engine's last step.
 
 Rule. Each token a transfer adds to a step makes that step b longer for every request in it, so its shadows cost
 the others N·b·(S + D − A) request-seconds (the shadows' tokens and R's rejected drafts) and R itself
 b·(S_R + D − A); they save R the A steps its kept drafts stand for, A·T(max(n̄, N + 1)). A transfer's shadows are
 admitted iff the saving is larger, decided once per transfer (its shadows come or go together). Alone (N = 0)
-they cost no other request: admitted, which keeps the ledger measured; and one transfer in `EXPLORE` refused in a
+they cost no other request: admitted, which keeps the ledger measured; and one transfer in `EXPLORE` of a kind refused in a
 row is admitted anyway, so the ledger keeps measuring what shadows win at today's load. As the engine fills, the
 cost grows with N while the saving grows only with the step, so shadows yield; as it empties they return. The
 figures behind it are in `state()`; docs/vllm.md ("Under load") states the rule with the figures measured."""
@@ -49,10 +50,10 @@ class Pricing:
 
     def __init__(self, window: int = WINDOW, history: int = HISTORY):
         self._steps: collections.deque = collections.deque(maxlen=window)  # (tokens, seconds)
-        self._ledgers: collections.deque = collections.deque(maxlen=history)
+        self._ledgers = {kind: collections.deque(maxlen=history) for kind in (True, False)}  # greedy, sampled
         self._last: tuple[float, int] | None = None  # (when the last step was scheduled, its tokens)
         self.admitted = self.refused = self.explored = 0
-        self._run = 0  # transfers refused in a row
+        self._run = {True: 0, False: 0}  # transfers of each kind refused in a row
 
     def step(self, t: float, tokens: int) -> None:
         """A step scheduled at time t with `tokens` tokens; the previous step's duration is t minus its start."""
@@ -60,8 +61,8 @@ class Pricing:
             self._steps.append((self._last[1], t - self._last[0]))
         self._last = (t, tokens)
 
-    def ended(self, ledger: Ledger) -> None:
-        self._ledgers.append(ledger)
+    def ended(self, ledger: Ledger, greedy: bool) -> None:
+        self._ledgers[bool(greedy)].append(ledger)
 
     def model(self) -> tuple[float, float] | None:
         """(a, b) of T(n) = a + b·n from the recent steps (a, b >= 0), or None while b is not identified."""
@@ -77,32 +78,34 @@ class Pricing:
         a = ms - b * mn
         return (a, b) if a >= 0 else (0.0, ms / mn)
 
-    def expected(self) -> Ledger:
-        if not self._ledgers:
+    def expected(self, greedy: bool) -> Ledger:
+        past = self._ledgers[bool(greedy)]
+        if not past:
             return PRIOR
-        k = len(self._ledgers)
-        return Ledger(*(sum(getattr(x, f) for x in self._ledgers) / k
+        k = len(past)
+        return Ledger(*(sum(getattr(x, f) for x in past) / k
                         for f in ("shadow_tokens", "drafted", "accepted", "overlap")))
 
-    def price(self, others: int, tokens: int) -> tuple[float, float] | None:
-        """(saving, cost) in request-seconds of a transfer's shadows beside `others` real requests, the last step
-        having had `tokens` tokens (None: not priced yet, b unknown)."""
+    def price(self, others: int, tokens: int, greedy: bool) -> tuple[float, float] | None:
+        """(saving, cost) in request-seconds of a transfer's shadows (greedy or sampled) beside `others` real
+        requests, the last step having had `tokens` tokens (None: not priced yet, b unknown)."""
         ab = self.model()
         if ab is None:
             return None
         a, b = ab
-        e = self.expected()
+        e = self.expected(greedy)
         rejected = max(0.0, e.drafted - e.accepted)
         saving = e.accepted * (a + b * max(tokens, others + 1))
         return saving, others * b * (e.shadow_tokens + rejected) + b * (e.overlap + rejected)
 
-    def admit(self, others: int, tokens: int) -> bool:
+    def admit(self, others: int, tokens: int, greedy: bool) -> bool:
         """Whether a transfer's shadows are worth admitting beside `others` real requests (counted)."""
-        p = None if others == 0 else self.price(others, tokens)
+        p = None if others == 0 else self.price(others, tokens, greedy)
         ok = p is None or p[0] > p[1]
-        self._run = 0 if ok else self._run + 1
-        if self._run >= EXPLORE:
-            ok, self._run = True, 0
+        g = bool(greedy)
+        self._run[g] = 0 if ok else self._run[g] + 1
+        if self._run[g] >= EXPLORE:
+            ok, self._run[g] = True, 0
             self.explored += 1
         self.admitted += ok
         self.refused += not ok
@@ -110,7 +113,9 @@ class Pricing:
 
     def state(self) -> dict:
         """The figures behind the rule now (for logs and the bench's JSON)."""
-        ab, e = self.model(), self.expected()
+        ab = self.model()
         return {"a_s": None if ab is None else round(ab[0], 6), "b_s": None if ab is None else round(ab[1], 6),
-                "steps": len(self._steps), "transfers": len(self._ledgers), "expected": e.__dict__,
+                "steps": len(self._steps), "transfers": {("greedy" if k else "sampled"): len(v)
+                                                          for k, v in self._ledgers.items()},
+                "expected": {("greedy" if k else "sampled"): self.expected(k).__dict__ for k in (True, False)},
                 "admitted": self.admitted, "refused": self.refused, "explored": self.explored}
