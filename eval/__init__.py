@@ -7,8 +7,9 @@ Library modules (no command of their own; the scripts and tests import them):
     kvprobe        teacher-forced KV quality probe
     lm_eval_model  the `lynx` model of lm-eval and `lynx-hf eval`; tasks/, metrics/: lm-eval's task and metric folders
 Scripts (a `lynx-hf` subcommand or `python -m lynx_hf.eval.NAME`): bench_codec, bench_exact, bench_kernels,
-bench_transfer, bench_session, bench_startup, bench_server_memory (each registers its `lynx-hf bench` subcommand: `register`),
-acceptance, calibrate, card, codec_quality, demo, results, ruler, simulate, half_precision, roofline, dist_pair.
+bench_transfer, bench_session, bench_startup, bench_server_memory (each registers its `lynx-hf bench` subcommand:
+`register`), acceptance, calibrate, card, codec_quality, demo, results, ruler, simulate, half_precision, roofline,
+dist_pair.
 
 Uses lynx_hf's public API — the names in `lynx_hf.__all__` (the `quant` module among them), the exceptions of
 `lynx_hf.errors` and `lynx_hf.transfer.decode.DecodeClient` (README) — and, where a measurement needs what the API

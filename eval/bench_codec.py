@@ -4,9 +4,9 @@ over `reps` repeats. CPU paths: "c" (the C kernels, the default), "compiled" (to
 "eager" (torch ops); CUDA: "triton" (the kernels) and "eager". Encode is the whole encode (range pass, statistics,
 codes) into fresh outputs. Decode is measured two ways: into an existing buffer (`decode(..., out=)`, as LynxCache
 upgrades the anchor tier to the full tier in place, and as `copy_` writes into an existing dst: the like-for-like
-ratio) and into a fresh tensor (which adds the kernel's page faults for new memory: "fresh" columns). GB/s counts the fp32 input bytes once. Prints a table and one JSON line whose `copy_gbps`
-and `paths` are those of the headline size (the whole KV of a 4K-token prompt of the default model, 189 MB); `sizes`
-has every size."""
+ratio) and into a fresh tensor (which adds the kernel's page faults for new memory: "fresh" columns). GB/s counts
+the fp32 input bytes once. Prints a table and one JSON line whose `copy_gbps` and `paths` are those of the headline
+size (the whole KV of a 4K-token prompt of the default model, 189 MB); `sizes` has every size."""
 from __future__ import annotations
 
 import statistics

@@ -51,8 +51,8 @@ def run(as_json: bool = False) -> dict:
         say(f"load_default_model(), cached: {warm:.2f} s (after {imports:.2f} s of importing torch and transformers)")
     finally:
         shutil.rmtree(cache, ignore_errors=True)
-    res = {"help_s": help_s, "import_s": imports, "load_cold_s": cold, "load_warm_s": warm, "help_under_1s": help_s < 1.0,
-           "load_warm_under_3s": warm < 3.0}
+    res = {"help_s": help_s, "import_s": imports, "load_cold_s": cold, "load_warm_s": warm,
+           "help_under_1s": help_s < 1.0, "load_warm_under_3s": warm < 3.0}
     return final_line(res)
 
 

@@ -4,14 +4,14 @@ Per link speed a `lynx-hf serve-prefill` child process runs behind the link emul
 the demo, for BF16, INT8, INT4 (KIVI-4), Lynx and Lynx without drafts (the full-tier reference: what drafting adds).
 Per request: TTFT (first token, from the prefill's logits), TTFT verified, TT32T (32 verified tokens), drafted /
 accepted tokens, bytes on the wire, and the decode process's peak resident memory above its level at the request
-(sampled every 5 ms) next to the cache's documented bound (lynx_hf/cache/lynx_cache.py: encoded streams + one dequantized
-prompt + tail; the forward pass's activations come on top). Every result is appended to a JSONL file as it
-completes (`--out`), so an interrupted sweep resumes where it stopped; a progress bar counts requests.
+(sampled every 5 ms) next to the cache's documented bound (lynx_hf/cache/lynx_cache.py: encoded streams + one
+dequantized prompt + tail; the forward pass's activations come on top). Every result is appended to a JSONL file as
+it completes (`--out`), so an interrupted sweep resumes where it stopped; a progress bar counts requests.
 
 Crossovers, interpolated in log link speed between measured points (per prompt and context): the link speed up to
 which Lynx's TT32T stays at least 5 % below INT8's from the slowest link up, and up to which drafting pays (Lynx at
-least 5 % below Lynx without drafts), and the same for TTFT (Lynx against INT8). Prints tables, writes a PNG (TT32T and TTFT against link speed, one panel per context)
-and ends with one JSON line."""
+least 5 % below Lynx without drafts), and the same for TTFT (Lynx against INT8). Prints tables, writes a PNG (TT32T
+and TTFT against link speed, one panel per context) and ends with one JSON line."""
 from __future__ import annotations
 
 import json
@@ -148,8 +148,9 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def cache_bound_bytes(model, prompt_tokens: int, tail_tokens: int, wire_bytes: int) -> int:
-    """The bound lynx_hf/cache/lynx_cache.py documents for the cache during decoding: the encoded streams (codes + metadata,
-    = the bytes on the wire), one dequantized prompt in the model dtype (K and V), and the decode-side tail."""
+    """The bound lynx_hf/cache/lynx_cache.py documents for the cache during decoding: the encoded streams (codes +
+    metadata, = the bytes on the wire), one dequantized prompt in the model dtype (K and V), and the decode-side
+    tail."""
     c = model.config
     hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * hd * next(model.parameters()).element_size()

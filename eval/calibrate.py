@@ -3,11 +3,12 @@
 Objective: the anchor tier's mean next-token KL on calibration text (eval/kvprobe.py: prompts of `contexts` tokens,
 `gen` greedy tokens teacher-forced), ties broken by the longer accepted prefix (anchor argmax = exact argmax). The
 search sees one stretch of the text; the next, disjoint stretch validates: the searched setting is written only if it
-also beats the defaults there, else the defaults are (a search on ~1.5K tokens can fit noise; both are reported). Search:
-coordinate descent from the defaults over α, the chunk size C, the key and the value grouping axes (separately: that
-is where per-K/V settings pay) and the anchor's reconstruction rule, each sweep trying every value of one coordinate
-with the others fixed, until no coordinate improves or `budget` settings have been scored. Per-layer settings are not
-searched (the wire format carries one codec per request). The chosen setting's full-tier KL is reported beside it."""
+also beats the defaults there, else the defaults are (a search on ~1.5K tokens can fit noise; both are reported).
+Search: coordinate descent from the defaults over α, the chunk size C, the key and the value grouping axes
+(separately: that is where per-K/V settings pay) and the anchor's reconstruction rule, each sweep trying every value
+of one coordinate with the others fixed, until no coordinate improves or `budget` settings have been scored.
+Per-layer settings are not searched (the wire format carries one codec per request). The chosen setting's full-tier
+KL is reported beside it."""
 from __future__ import annotations
 
 import dataclasses

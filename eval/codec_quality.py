@@ -6,7 +6,6 @@ over 256-token chunks) would save on Lynx's anchor and residual streams, and at 
 ablation of the Lynx anchor. Ends with one JSON line {"methods": {...}, "default": NAME, "lynx_coded": {...}, ...}."""
 from __future__ import annotations
 
-import json
 import time
 
 import torch

@@ -5,10 +5,10 @@ with BF16, INT8, INT4 (KIVI-4), CacheGen, Lynx and Lynx in exact mode, and a Lyn
 reference). "Identical" says what each Lynx row equals: the default Lynx its 8-bit full tier decoded without drafts,
 Lynx (exact) plain `generate` on the model in its dtype (`--dtype`; the prefill process runs the same one).
 CacheGen's encoding runs on the prefill side and its decoding on the decode side, both inside its TTFT. TTFT is
-measured from sending the request (its arrival at the prefill process, on loopback) to the first token the decode process
-emits: the prefill's logits (sent ahead of every KV frame still queued) picked through the decode side's options,
-so it is verified at once and is the prefill's plus one frame for every method; decode start to the second token,
-the first that needs the KV (a draft on the anchor, or a verified one): the figure the codec moves; TT32T to 32
+measured from sending the request (its arrival at the prefill process, on loopback) to the first token the decode
+process emits: the prefill's logits (sent ahead of every KV frame still queued) picked through the decode side's
+options, so it is verified at once and is the prefill's plus one frame for every method; decode start to the second
+token, the first that needs the KV (a draft on the anchor, or a verified one): the figure the codec moves; TT32T to 32
 verified tokens. `--repeat N`: N rounds on the same model and prefill process,
 every method once per round in an order rotated per round; each figure the median with [min, max], each ratio the
 median of the per-round paired ratios, each beside its floor from the same round's events (eval/floors.py). Prints
@@ -212,9 +212,9 @@ def _report(runs, judged, tok, say, bandwidth_bps, new_tokens, dtype, do_sample,
     link_s = rows["BF16"]["bytes"] * 8 / bandwidth_bps  # BF16's KV on the link alone
     prefill_bound = runs["Lynx"]["prefill_s"] > 0.5 * link_s
     if prefill_bound:
-        say(f"NOTE: the prefill ({runs['Lynx']['prefill_s']:.2f} s) took more than half as long as BF16's KV on the link "
-            f"({link_s:.2f} s): this machine's compute, not the link, sets these TTFTs, and the ratios say little about "
-            f"KV transfer (use a slower --bandwidth-mbps or a less busy machine)")
+        say(f"NOTE: the prefill ({runs['Lynx']['prefill_s']:.2f} s) took more than half as long as BF16's KV on the "
+            f"link ({link_s:.2f} s): this machine's compute, not the link, sets these TTFTs, and the ratios say little "
+            f"about KV transfer (use a slower --bandwidth-mbps or a less busy machine)")
     med = lambda k: statistics.median([j["rows"]["Lynx"][k] for j in judged])  # noqa: E731
     res = {"methods": {n: {**{k: (summ["methods"][n][k] or {}).get("median") for k in FIGURES},
                            "bytes": rows[n]["bytes"]} for n in summ["methods"]},  # (the plan's order)

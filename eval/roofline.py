@@ -92,8 +92,9 @@ def main(argv=None) -> dict:
     say(f"{'tokens':>7s} {'anchor/layer':>12s} {'full/layer':>11s} {'full, 32 layers':>15s} {'PCIe codes':>11s} "
         f"{'PCIe time':>10s} {'bf16 KV over PCIe':>18s}")
     for r in res["rows"]:
-        say(f"{r['tokens']:7d} {r['layer_us_anchor']:10.1f}µs {r['layer_us_full']:9.1f}µs {r['model_ms_full']:13.2f}ms "
-            f"{r['pcie_mb_full']:9.0f}MB {r['pcie_ms_full']:8.1f}ms {r['pcie_ms_bf16_kv']:16.1f}ms")
+        say(f"{r['tokens']:7d} {r['layer_us_anchor']:10.1f}µs {r['layer_us_full']:9.1f}µs "
+            f"{r['model_ms_full']:13.2f}ms {r['pcie_mb_full']:9.0f}MB {r['pcie_ms_full']:8.1f}ms "
+            f"{r['pcie_ms_bf16_kv']:16.1f}ms")
     if a.codec:
         lines = [l for l in open(a.codec).read().splitlines() if l.startswith("{")]
         res["check"] = check(json.loads(lines[-1]))

@@ -96,7 +96,8 @@ def timeline(model: ModelShape, acc: Accelerator, context: int, link_gbps: float
         exposed = 0.0 if m == "bf16" else 2 * kv_bytes(model, context, 16) / model.layers / codec_bw
         ttft = overhead_s + kv_bytes(model, context, first) / link + exposed
         if m != "lynx":
-            out[m] = {"ttft_s": ttft, "tt32t_s": ttft + (new_tokens - 1) * t_step, "wire_bytes": kv_bytes(model, context, full)}
+            out[m] = {"ttft_s": ttft, "tt32t_s": ttft + (new_tokens - 1) * t_step,
+                      "wire_bytes": kv_bytes(model, context, full)}
             continue
         t_res = overhead_s + kv_bytes(model, context, full) / link + exposed
         drafted = min(new_tokens - 1, max(0, math.floor((t_res - ttft) / t_step)))
@@ -112,7 +113,8 @@ def fit(bits: dict, acceptance: float, model: ModelShape = QWEN32B, acc: Acceler
     """Least squares of the relative errors of the paper's eight figures over (link Gbit/s, overhead s)."""
     def loss(bw, o):
         t = timeline(model, acc, context, bw, o, bits, acceptance)
-        return sum(((t[m][k] - PAPER[m][i]) / PAPER[m][i]) ** 2 for m in METHODS for i, k in enumerate(("ttft_s", "tt32t_s")))
+        return sum(((t[m][k] - PAPER[m][i]) / PAPER[m][i]) ** 2
+                   for m in METHODS for i, k in enumerate(("ttft_s", "tt32t_s")))
 
     best = (float("inf"), None, None)
     for i in range(121):                      # coarse grid, then two refinements around the best
@@ -149,7 +151,7 @@ def run(acceptance: float = 24.3 / 31, as_json: bool = False) -> dict:
     t = timeline(QWEN32B, A100, 16384, bw, o, bits, acceptance)
     paper_fit = {m: {"ttft_s": round(t[m]["ttft_s"], 3), "tt32t_s": round(t[m]["tt32t_s"], 3)} for m in METHODS}
     err = max(abs(t[m][k] - PAPER[m][i]) / PAPER[m][i] for m in METHODS for i, k in enumerate(("ttft_s", "tt32t_s")))
-    say(f"bits/value (this project's codecs, D=128): " + ", ".join(f"{k} {v:.2f}" for k, v in bits.items()))
+    say("bits/value (this project's codecs, D=128): " + ", ".join(f"{k} {v:.2f}" for k, v in bits.items()))
     say(f"accelerator: {A100.name}; decode step at 16K: {1e3 * step_s(QWEN32B, A100, 16384):.1f} ms; "
         f"acceptance {acceptance:.2f}")
     say(f"fitted: link {bw:.2f} Gbit/s, per-request overhead {o:.3f} s; worst error {100 * err:.1f} %\n")

@@ -4,7 +4,8 @@ from lynx_hf import LynxCache, LynxQuantConfig
 
 model, tok = lynx_hf.load_default_model()  # or lynx_hf.load_default_model("HuggingFaceTB/SmolLM2-135M-Instruct")
 messages = [{"role": "user", "content": "Write a short poem about a lynx crossing a snowy network link."}]
-input_ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+input_ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                   return_dict=True)["input_ids"]
 
 # Prefill node: full-precision prefill; KV encoded as anchor (4 bit + metadata) and residual (4 bit), plus the
 # prompt's last-position logits. Here both nodes are this process; the residual "lands" after 8 draft steps.

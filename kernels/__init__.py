@@ -2,7 +2,8 @@
 
 Each op has the signature and the results of its pure-torch twin in `lynx_hf.quant.lynx` (`lynx.Kernels`):
   encode.py  encode_codes_triton  ≡ lynx.encode_codes   (GPU: normalise, compand, split, pack)
-  dequantize.py  dequantize_codes_triton  ≡ lynx.dequantize_codes   (GPU: unpack, look up, de-normalise; anchor or full tier)
+  dequantize.py  dequantize_codes_triton  ≡ lynx.dequantize_codes   (GPU: unpack, look up, de-normalise; anchor or
+                                                                     full tier)
   cpu.py     minmax_cpu, range_stats_cpu, encode_codes_cpu, dequantize_codes_cpu   (CPU, C through ctypes: codec_cpu.c)
 Tolerances (asserted in tests/test_kernels.py): codes and packed bytes equal exactly everywhere; the C kernels'
 statistics and decoded values equal exactly too (same fp32 operations, no contraction); the Triton kernels' decoded

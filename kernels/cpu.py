@@ -9,8 +9,9 @@ operations in the same order, -ffp-contract=off; asserted with tolerance 0 in te
   dequantize_codes_cpu  ≡ lynx.dequantize_codes   (unpack, look up, de-normalise; anchor or full tier)
 
 Build: `cc -O3 -march=native -ffp-contract=off` (CC overrides the compiler) into $LYNX_CACHE/kernels, else
-$XDG_CACHE_HOME/lynx-hf/kernels or ~/.cache/lynx-hf/kernels, keyed by a hash of the source, the flags and the CPU's model and features; `available()` says whether it built,
-and the reason if not (no compiler: the torch paths run instead, see quant/dispatch.py)."""
+$XDG_CACHE_HOME/lynx-hf/kernels or ~/.cache/lynx-hf/kernels, keyed by a hash of the source, the flags and the CPU's
+model and features; `available()` says whether it built, and the reason if not (no compiler: the torch paths run
+instead, see quant/dispatch.py)."""
 from __future__ import annotations
 
 import contextlib

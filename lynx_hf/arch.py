@@ -123,7 +123,8 @@ def refuse_media_positions(model, media: dict) -> None:
                          f"the decode side would need as well; text-only prompts work")
 
 
-PROVENANCE = ("_name_or_path", "architectures", "transformers_version")  # where the model was loaded from, not what it is
+PROVENANCE = ("_name_or_path", "architectures",
+              "transformers_version")  # where the model was loaded from, not what it is
 
 
 def fingerprint(model) -> str:

@@ -61,7 +61,8 @@ def _add_codec_quality(sub) -> None:
                                                                 "4096; --widths: one prompt length, default 1024)")
     q.add_argument("--gen", type=tokens(hi=4096), help="teacher-forced tokens (default 32; --widths: 48)")
     q.add_argument("--model", help=MODEL_HELP)
-    q.add_argument("--no-ablation", action="store_true", help="skip the codec ablation (γ, μ/σ, α-law one at a time)")
+    q.add_argument("--no-ablation", action="store_true",
+                   help="skip the codec ablation (γ, μ/σ, α-law one at a time)")
     q.add_argument("--widths", action="store_true",
                    help="instead: the Lynx anchor at 4, 3 and 2 bits against a plain code of each width on prose, "
                         "Python, JSON and many-shot QA (needs the shared MMLU-Pro questions)")
@@ -80,7 +81,8 @@ def _add_bench(sub) -> None:
     b = subcommand(sub, "bench", "benchmarks that print numbers and a final JSON line "
                                  "(`lynx-hf bench BENCHMARK --help`: what one measures, its options)")
     benches = b.add_subparsers(dest="what", required=True, metavar="BENCHMARK", help="what to measure")
-    for m in (bench_codec, bench_exact, bench_kernels, bench_transfer, bench_session, bench_startup, bench_server_memory):
+    for m in (bench_codec, bench_exact, bench_kernels, bench_transfer, bench_session, bench_startup,
+              bench_server_memory):
         m.register(benches)
 
 
@@ -163,8 +165,10 @@ def _add_results(sub) -> None:
     r.add_argument("--contexts", type=tokens(), nargs="+", default=[512, 1024], help="context lengths in tokens")
     r.add_argument("--model", help=MODEL_HELP)
     r.add_argument("--lynx-config", help="folder, file or Hub repo with a lynx_config.json")
-    r.add_argument("--residual-after", type=tokens(0, 4096), default=2, help="Lynx: residual lands after this many draft steps")
-    r.add_argument("--ruler-samples", type=count(1 << 20, lo=0), default=50, help="RULER samples per (task, length) cell (0: no RULER)")
+    r.add_argument("--residual-after", type=tokens(0, 4096), default=2,
+                   help="Lynx: residual lands after this many draft steps")
+    r.add_argument("--ruler-samples", type=count(1 << 20, lo=0), default=50,
+                   help="RULER samples per (task, length) cell (0: no RULER)")
     r.add_argument("--ruler-cells", nargs="+", metavar="TASK@LENGTH",
                    help="RULER cells (default: niah_single_1, niah_multikey_2, niah_multikey_3 at 1K and 2K, "
                         "niah_single_1 at 4K)")
@@ -212,7 +216,8 @@ def _add_card(sub) -> None:
     h.add_argument("--out", required=True, help="folder to write")
     h.add_argument("--results", default="docs/results.md", help="results of `lynx-hf results` ('' for none)")
     h.add_argument("--lynx-config", help="folder, file or Hub repo with a lynx_config.json (default: the defaults)")
-    h.add_argument("--residual-after", type=tokens(0, 4096), default=8, help="custom_generate's local residual schedule")
+    h.add_argument("--residual-after", type=tokens(0, 4096), default=8,
+                   help="custom_generate's local residual schedule")
     h.add_argument("--push", metavar="REPO", help="upload the folder to this Hub repo")
     h.set_defaults(fn=_card)
 

@@ -23,9 +23,9 @@ class LynxQuantConfig:
     """The KV codec.
 
     method:     "lynx" (offset-binary companded code, the default), "paper" (sign-magnitude α-law, as published),
-                or a baseline with the same API: "bf16", "int8", "kivi4", "kivi3", "kivi2", "cachegen" (CacheGen: per-token
-                quantization with depth-dependent bins, then arithmetic coding; quant/cachegen.py), "identity"
-                (lossless passthrough).
+                or a baseline with the same API: "bf16", "int8", "kivi4", "kivi3", "kivi2", "cachegen" (CacheGen:
+                per-token quantization with depth-dependent bins, then arithmetic coding; quant/cachegen.py),
+                "identity" (lossless passthrough).
     alpha:      α of the α-law compander y = ln(1+α|u|)/ln(1+α); 0 means linear.
     chunk_size: C, tokens per chunk for the μ/σ outlier-isolation stage when that stage runs along channels.
     page_size:  tokens per page for the per-channel γ normalisation ("paper" only: in "lynx" the chunk μ/σ are

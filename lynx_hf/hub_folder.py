@@ -19,7 +19,8 @@ ROOT = "lynx_hf.hub"  # what generate.py calls
 ALLOWED = {"torch", "transformers", "numpy", "huggingface_hub", "safetensors", "__future__"}  # torch/transformers deps
 LEFT_OUT = {"lynx_hf.kernels.cpu"}  # builds kernels/codec_cpu.c, a file Transformers would not copy
 
-SHIM = '''"""Lynx: progressive speculative KV quantization, as a Transformers custom_generate (written by `lynx-hf card`).
+SHIM = ('''"""Lynx: progressive speculative KV quantization, as a Transformers custom_generate '''
+        '''(written by `lynx-hf card`).
 
     model.generate(input_ids, custom_generate=THIS_REPO, trust_remote_code=True, max_new_tokens=64)
 
@@ -36,7 +37,7 @@ RESIDUAL_AFTER_STEPS = {residual_after}
 def generate(model, *args, **kwargs):
     kwargs.setdefault("residual_after_steps", RESIDUAL_AFTER_STEPS)
     return hub_generate(model, LYNX_CONFIG, *args, **kwargs)
-'''
+''')
 
 
 def _source(module: str) -> tuple[str, bool] | None:

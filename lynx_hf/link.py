@@ -4,13 +4,14 @@ link and a loopback socket behave the same.
 
 Contract:
 - A port hands the NIC one frame at a time (`schedule`: returns its delivery time once its last packet is on the
-  wire; `pace`: returns when it has crossed), with the time it was ready (queued by the sender). The NIC puts frames on one virtual wire in packets of `packet` bytes: a packet
-  starts when the wire is free or when its frame was ready, whichever is later — not when the sending thread next
-  runs — and a frame is delivered `latency_s` after its last packet left. A thread that wakes late (on a busy host
-  the other process's compute delays it) therefore loses no link time, as a NIC keeps draining its queue while the
-  CPU is elsewhere. The credit is bounded by the NIC's transmit queue (`queue_s` seconds at line rate) and the
-  bytes in flight (`latency_s`): a sender held back longer (a reader that stopped reading: flow control) lost that
-  time, as it would on a real link. An idle wire banks nothing: bytes never start before they are ready.
+  wire; `pace`: returns when it has crossed), with the time it was ready (queued by the sender). The NIC puts frames
+  on one virtual wire in packets of `packet` bytes: a packet starts when the wire is free or when its frame was
+  ready, whichever is later — not when the sending thread next runs — and a frame is delivered `latency_s` after its
+  last packet left. A thread that wakes late (on a busy host the other process's compute delays it) therefore loses
+  no link time, as a NIC keeps draining its queue while the CPU is elsewhere. The credit is bounded by the NIC's
+  transmit queue (`queue_s` seconds at line rate) and the bytes in flight (`latency_s`): a sender held back longer
+  (a reader that stopped reading: flow control) lost that time, as it would on a real link. An idle wire banks
+  nothing: bytes never start before they are ready.
 - Connections share the wire by deficit round-robin, one packet's worth of bytes per turn: a short request behind
   another client's long transfer gets half the wire at once, not the time left on the other's backlog. Within a
   connection the order is the sender's (anchor before residual: its priority queue). Packets are put on the wire
@@ -113,8 +114,8 @@ class NicPort:
     def schedule(self, nbytes: int, ready_at: float | None = None, stop: threading.Event | None = None):
         """Block until the last packet of `nbytes`, ready at `ready_at` (the NIC's clock; default now), is on the
         wire; returns when the frame will have crossed the link (its delivery time, the NIC's clock), or None if
-        `stop` was set or the port closed meanwhile (the rest of the frame then never went). The caller delivers the frame then and
-        may hand the NIC its next frame at once, as a NIC's queue holds several."""
+        `stop` was set or the port closed meanwhile (the rest of the frame then never went). The caller delivers the
+        frame then and may hand the NIC its next frame at once, as a NIC's queue holds several."""
         nic = self.nic
         now = nic.clock()
         if nic.idle or self.closed or nbytes <= 0:

@@ -19,7 +19,7 @@ from transformers.cache_utils import DynamicLayer
 
 from .arch import (layer_windows, media_inputs, media_key, refuse_encoder_decoder, refuse_media_positions,
                    window_positions)
-from .cache import LynxCache  # lynx_hf.LynxCache: imported from here, so its constructors are registered
+from .cache import LynxCache  # noqa: F401 — lynx_hf.LynxCache: imported from here, so its constructors are registered
 from .cache.conversation import encoded_key
 from .cache.lynx_cache import PREFILL_SIDE, refuse_spec_config
 from .config import LynxQuantConfig
@@ -214,7 +214,7 @@ class InProcessLoader(Loader):
                         else:
                             self.cache.put_residual(i, kind, self.starts[i], part, stream)
             self._released = True
-        except Exception as e:  # surfaced to the decoding thread
+        except Exception as e:  # noqa: BLE001 — any failure is surfaced to the decoding thread
             self.cache.fail(e)
 
     def on_draft(self, n: int) -> None:

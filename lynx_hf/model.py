@@ -30,7 +30,8 @@ def default_model_dir() -> str:
         raise RuntimeError(f"The embedded default model is not installed. Run: {INSTALL_HINT}")
     d = list(spec.submodule_search_locations)[0]
     if not os.path.isfile(os.path.join(d, DEFAULT_GGUF)):
-        raise RuntimeError(f"{DEFAULT_GGUF} is missing from {d}. Reinstall with: pip install --force-reinstall {INSTALL_HINT}")
+        raise RuntimeError(f"{DEFAULT_GGUF} is missing from {d}. Reinstall with: "
+                           f"pip install --force-reinstall {INSTALL_HINT}")
     return d
 
 
@@ -94,8 +95,8 @@ def _is_path(name: str) -> bool:
     return os.path.isabs(name) or name.startswith(("~", "./", "../", ".\\", "..\\")) or name.count("/") > 1
 
 
-def load_default_model(name_or_path: str | None = None, dtype: torch.dtype = torch.float32, gguf_file: str | None = None,
-                       device: str | None = None, warm: bool = True):
+def load_default_model(name_or_path: str | None = None, dtype: torch.dtype = torch.float32,
+                       gguf_file: str | None = None, device: str | None = None, warm: bool = True):
     """(model, tokenizer). name_or_path None → the embedded SmolLM2-135M-Instruct; else a Hub id or a local path
     (with gguf_file for a GGUF checkpoint). `warm`: run `lynx_hf.warm_up(model)` (kernels built, one short drafted
     generation) so that the first request is as fast as the second."""

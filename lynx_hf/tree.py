@@ -52,9 +52,9 @@ class Tree:
         the best of them by cumulative score the next frontier: at most `width`, never a child whose token is in
         `stop` [S] (e.g. EOS), none scoring more than `cutoff` below the best new child, and none scoring below
         `floor` (a node the verify pass would not run) but each row's best (the main line goes on). Every node of
-        a step gets the same number of child slots (the most any node needs); the slots a node does not need score −inf and are
-        never expanded or verified. The frontier has as many columns as the row that keeps most; it is empty when no
-        row has a child worth expanding (e.g. EOS is all but certain)."""
+        a step gets the same number of child slots (the most any node needs); the slots a node does not need score
+        −inf and are never expanded or verified. The frontier has as many columns as the row that keeps most; it
+        is empty when no row has a child worth expanding (e.g. EOS is all but certain)."""
         B, m, V = logp.shape
         if self.size == 0:
             if m != 1:

@@ -6,7 +6,7 @@ try:
     import torch
 
     _cuda = torch.cuda.is_available()
-except Exception:  # pragma: no cover
+except Exception:  # noqa: BLE001 — a broken CUDA probe means no CUDA  # pragma: no cover
     _cuda = False
 if not _cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -39,7 +39,8 @@ def test_every_width_drafts_and_equals_its_full_tier_in_process(model_and_tok, s
 
 
 @pytest.mark.parametrize("bits", (3, 2))
-def test_a_narrow_anchor_over_the_network_and_in_a_session(model_and_tok, shakespeare_ids, server, bits):
+def test_a_narrow_anchor_over_the_network_and_in_a_session(model_and_tok, shakespeare_ids, server,  # noqa: F811
+                                                           bits):
     model, _ = model_and_tok
     cfg = Q(anchor_bits=bits)
     prompt = shakespeare_ids[0, :300].tolist()

@@ -39,7 +39,8 @@ def build(arch, scale=3.0):
 
 def options(first: int) -> dict:
     """Each deterministic option, built around plain greedy's first token so that it changes the output."""
-    return {"greedy": {}, "suppress_tokens": {"suppress_tokens": [first]}, "bad_words_ids": {"bad_words_ids": [[first]]},
+    return {"greedy": {}, "suppress_tokens": {"suppress_tokens": [first]},
+            "bad_words_ids": {"bad_words_ids": [[first]]},
             "repetition_penalty": {"repetition_penalty": 1.8}, "no_repeat_ngram_size": {"no_repeat_ngram_size": 2},
             "min_new_tokens": {"min_new_tokens": 6, "eos_token_id": first}, "eos_first": {"eos_token_id": first}}
 

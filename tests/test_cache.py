@@ -116,7 +116,8 @@ def test_sliding_layer_holds_its_window_and_says_so_in_the_mask_sizes():
     full, sliding = cache.layers
     assert (sliding.window, sliding.offset, sliding.is_sliding) == (16, 54, True) and full.offset == 0
     # before the first forward the prompt's last position is left for generate() to re-run
-    assert cache.get_seq_length() == 69 and cache.get_mask_sizes(1, 1) == (16, 54) and cache.get_mask_sizes(1, 0) == (70, 0)
+    assert (cache.get_seq_length() == 69 and cache.get_mask_sizes(1, 1) == (16, 54)
+            and cache.get_mask_sizes(1, 0) == (70, 0))
     with pytest.raises(ValueError, match=r"outside the layer's prompt KV \[54, 70\)"):
         cache.put_anchor(1, "key", 0, encode_layers([data[0]], Q(method="identity"))[0][0])
     InProcessLoader(data, Q(method="identity")).attach(cache)
@@ -139,7 +140,8 @@ def test_plain_forward_reruns_the_prompts_last_position_once():
     InProcessLoader(data, Q(method="identity"), residual_after_steps=2).attach(cache)
     with pytest.warns(UserWarning, match="custom_generate"):
         k, v = cache.update(torch.zeros(1, 3, 2, 16), torch.ones(1, 3, 2, 16), 0)  # positions 69 (re-run) and 70
-    assert k.shape[2] == 71 and torch.equal(k[:, :, :70], data[0][0]) and torch.equal(v[:, :, 70:], torch.ones(1, 3, 1, 16))
+    assert (k.shape[2] == 71 and torch.equal(k[:, :, :70], data[0][0])
+            and torch.equal(v[:, :, 70:], torch.ones(1, 3, 1, 16)))
     with pytest.raises(ValueError, match="num_beams"):
         cache.update(torch.zeros(2, 3, 1, 16), torch.zeros(2, 3, 1, 16), 0)
 

@@ -12,7 +12,6 @@ import pytest
 import lynx_hf
 from lynx_hf.cli import main
 from lynx_hf.transfer import server as S
-from lynx_hf.transfer import auth as sess
 from lynx_hf.transfer.decode import DecodeClient
 from lynx_hf.transfer.auth import Channel, client_handshake
 from lynx_hf.transfer.transport import TcpTransport

@@ -10,7 +10,6 @@ import pytest
 import torch
 import yaml
 
-import lynx_hf
 from lynx_hf import LynxCache, LynxQuantConfig
 from lynx_hf.local import prefill
 

@@ -2,7 +2,8 @@
 client and server (flip, drop, duplicate, reorder, replay, truncate frames), kill -9 of the server mid-anchor,
 mid-residual and after the anchors before the logits, and a client killed mid-stream. For each: no token computed
 from unverified KV is ever final, the error is one clear line, and whoever survives returns to its baseline of
-threads and descriptors (the pre-authentication flood and the slow TLS handshake are in test_server_hostile_peers.py)."""
+threads and descriptors (the pre-authentication flood and the slow TLS handshake are in
+test_server_hostile_peers.py)."""
 import os
 import re
 import signal
@@ -77,8 +78,8 @@ class Proxy:
                     break
                 frame = head + recv_exact(s, int.from_bytes(head[16:20], "little"))
                 ftype, stream = head[5], head[6]
-                kind = {Stream.ANCHOR: "anchor", Stream.RESIDUAL: "residual"}.get(stream) if ftype == FrameType.SEGMENT \
-                    else "first" if ftype == FrameType.FIRST else "other"
+                kind = ({Stream.ANCHOR: "anchor", Stream.RESIDUAL: "residual"}.get(stream)
+                        if ftype == FrameType.SEGMENT else "first" if ftype == FrameType.FIRST else "other")
                 i = seen[kind] = seen.get(kind, -1) + 1
                 out = self.act(kind, i, frame)
                 if out is None or None in out:

@@ -68,7 +68,8 @@ def test_the_decode_start_floor_is_the_data_of_the_second_token_plus_one_step():
 
 def test_rounds_are_medians_with_ranges_and_ratios_are_medians_of_paired_ratios():
     assert spread([3.0, None, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0} and spread([None]) is None
-    rounds = [{"a": {"t": 1.0}, "b": {"t": 2.0}}, {"a": {"t": 3.0}, "b": {"t": 3.0}}, {"a": {"t": 2.0}, "b": {"t": 8.0}}]
+    rounds = [{"a": {"t": 1.0}, "b": {"t": 2.0}}, {"a": {"t": 3.0}, "b": {"t": 3.0}},
+              {"a": {"t": 2.0}, "b": {"t": 8.0}}]
     # the per-round ratios 0.5, 1.0, 0.25: their median, not the ratio of the medians (2 / 3)
     assert paired(rounds, "a", "b", "t") == {"median": 0.5, "min": 0.25, "max": 1.0}
     plan = ["x", "y", "z"]
@@ -116,7 +117,8 @@ def test_the_session_benchs_rounds_judge_the_last_turn_and_every_turns_identity(
     assert out["ratios"]["delta_whole_ttft"] == {"median": 0.5, "min": 0.3, "max": 1.0}
     assert out["ratios"]["lynx_int4_delta_ttft"]["median"] == 1.0
     assert out["ratios"]["lynx_int8_delta_tt32t"] == {"median": 0.8, "min": 0.5, "max": 1.0}
-    assert out["floor"]["delta_whole_ttft"] == pytest.approx(0.45) and out["at_floor"]["lynx_delta_ttft"] == pytest.approx(1 / 0.9)
+    assert (out["floor"]["delta_whole_ttft"] == pytest.approx(0.45)
+            and out["at_floor"]["lynx_delta_ttft"] == pytest.approx(1 / 0.9))
     assert out["ratios"]["lynx_identical"] is False  # the last round's every turn, not its last turn alone
     # decode start: the step is the one-stream arms' median (0.2; Lynx's own 9.0 is not one), the floor data + step
     assert out["ratios"]["delta_whole_decode_start"] == {"median": 0.75, "min": 0.5, "max": 1.0}

@@ -43,7 +43,8 @@ def test_every_option_equals_plain_generate_with_the_identity_codec(model_and_to
     model, tok = model_and_tok
     ids = shakespeare_ids[:, :300]
     first = int(model.generate(ids, max_new_tokens=1, do_sample=False)[0, -1])
-    options = {"greedy": {}, "suppress_tokens": {"suppress_tokens": [first]}, "bad_words_ids": {"bad_words_ids": [[first]]},
+    options = {"greedy": {}, "suppress_tokens": {"suppress_tokens": [first]},
+               "bad_words_ids": {"bad_words_ids": [[first]]},
                "repetition_penalty": {"repetition_penalty": 1.3}, "no_repeat_ngram_size": {"no_repeat_ngram_size": 2},
                "min_new_tokens": {"min_new_tokens": 3, "eos_token_id": first}}
     kv, logits = prefill(model, ids)
@@ -211,8 +212,8 @@ def test_tree_drafts_are_kept_where_the_chain_loses_them(model_and_tok, eval_pro
         outs = {}
         for name, spec in runs.items():
             cache = LynxCache.from_kv(model, ids.shape[1], kv, logits, Q(), residual_after_steps=31)
-            outs[name] = model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate, spec_config=spec,
-                                        max_new_tokens=33, do_sample=False).tolist()
+            outs[name] = model.generate(ids, cache=cache, custom_generate=lynx_hf.speculative_generate,
+                                        spec_config=spec, max_new_tokens=33, do_sample=False).tolist()
             accepted[name].append(cache.stats["accepted"])
             assert cache.stats["drafted"] == 31
         assert outs["chain"] == outs["tree"]

@@ -1,10 +1,7 @@
 """The embedded default model and the codec on its real KV."""
-import sys
 
 import pytest
-import torch
 
-import lynx_hf
 from lynx_hf import LynxQuantConfig as Q
 from lynx_hf import model as M
 

@@ -2,13 +2,11 @@
 shared by connections), a REQUEST that says what the decode side holds (ships only the new range; a digest that
 does not match ships everything and says so), hostile held/digest claims, and sessions whose turns equal the same
 conversation re-shipped whole. The tiny 2-layer model; loopback servers in this process."""
-import json
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from conftest import make_tiny
 from lynx_hf import LynxQuantConfig as Q, SpecConfig
 from lynx_hf.arch import fingerprint
 from lynx_hf.transfer import server as S
@@ -266,7 +264,7 @@ def test_a_forged_digest_never_yields_kv_of_other_tokens(tiny, server):
                                  "held_digest": digest}).json()
         # shipped from 0; the only prefix hit is of these very ids (prefilled by the first probe), never the victim's
         assert p["start"] == 0 and "does not match" in p["refused"] and p["prefix_hit"] == hit
-        while (f := probe.ch.recv(10)).type != FrameType.END:
+        while probe.ch.recv(10).type != FrameType.END:
             pass
     for c in (victim, probe):
         c.close()

@@ -10,8 +10,8 @@ from lynx_hf.quant.pack import join_codes, pack2, pack4, pack_bits, split_codes,
 from lynx_hf.quant.tables import tables
 
 ALL = [Q(), Q(key_axis="token"), Q(alpha=0.0), Q.paper(), Q.paper(key_axis="token"), Q(method="bf16"),
-       Q(method="int8"), Q(method="kivi4"), Q(method="kivi3"), Q(method="kivi2"), Q(method="identity"), Q(anchor_bits=3),
-       Q(anchor_bits=2, key_axis="token"), Q.paper(anchor_bits=3)]
+       Q(method="int8"), Q(method="kivi4"), Q(method="kivi3"), Q(method="kivi2"), Q(method="identity"),
+       Q(anchor_bits=3), Q(anchor_bits=2, key_axis="token"), Q.paper(anchor_bits=3)]
 
 
 def kv(S=300, B=2, H=3, D=64, dtype=torch.float32, seed=0):
@@ -238,7 +238,8 @@ def test_stream_shapes_follow_the_declared_axis(cfg):
     for axis in ("channel", "token"):
         s = quant.encode(kv(S=90), Q(**{**cfg.to_dict(), "key_axis": axis}), "key")
         want = quant.stream_shapes(cfg, "key", (2, 3, 90, 64), torch.float32, axis=axis)
-        assert {k: m.signature for k, m in want.meta.items()} == {k: (tuple(v.shape), v.dtype) for k, v in s.meta.items()}
+        assert ({k: m.signature for k, m in want.meta.items()}
+                == {k: (tuple(v.shape), v.dtype) for k, v in s.meta.items()})
 
 
 @pytest.mark.parametrize("call, msg", [

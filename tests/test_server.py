@@ -1,7 +1,6 @@
 """The prefill server facing a real network, on loopback with a tiny model: no client stalls another, bounded
 handshakes and connections, authentication before anything is revealed, peer input checked before allocation,
 and an 8-client load test whose server returns to its baseline afterwards."""
-import json
 import os
 import socket
 import subprocess
@@ -23,7 +22,7 @@ from lynx_hf.transfer.decode import DecodeClient
 from lynx_hf.arch import fingerprint
 from lynx_hf.transfer.auth import Channel, client_handshake, resolve_secret, server_handshake
 from lynx_hf.transfer.transport import TcpTransport, Transport
-from lynx_hf.transfer.wire import HEADER, FrameType, PeerClosed, Stream, WireError, encode_frame, parse_frame
+from lynx_hf.transfer.wire import HEADER, FrameType, Stream, WireError, encode_frame, parse_frame
 
 SECRET = "test-secret"
 

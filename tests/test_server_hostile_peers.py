@@ -25,7 +25,7 @@ from lynx_hf.transfer import prefill as P
 from lynx_hf.transfer import server as S
 from lynx_hf.transfer.decode import DecodeClient
 from lynx_hf.transfer.auth import Channel, PeerError, client_handshake, server_handshake
-from lynx_hf.transfer.transport import InProcTransport, TcpTransport
+from lynx_hf.transfer.transport import InProcTransport
 from lynx_hf.transfer.wire import FLAG_MAC, HEADER, FrameType, Stream, WireError, encode_frame, json_frame
 
 SECRET = "hostile-secret"

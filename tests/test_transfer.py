@@ -9,12 +9,10 @@ import torch
 
 import lynx_hf
 from lynx_hf import LoaderError, LynxCache, LynxQuantConfig as Q
-from lynx_hf.transfer import prefill as P
 from lynx_hf.transfer import server as S
 from lynx_hf.transfer.decode import DecodeClient, NetworkLoader
 from lynx_hf.transfer.auth import Channel
 from lynx_hf.transfer.transport import InProcTransport, TcpTransport
-from lynx_hf.transfer.serde import pack_logits
 from lynx_hf.transfer.wire import FrameType, Stream, WireError, encode_frame
 
 
@@ -67,8 +65,9 @@ def test_sliding_window_model_over_tcp():
     import transformers as tf
 
     torch.manual_seed(0)
-    m = tf.MistralForCausalLM(tf.MistralConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                                               num_attention_heads=4, num_key_value_heads=2, sliding_window=8)).eval()
+    m = tf.MistralForCausalLM(tf.MistralConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
+                                               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                               sliding_window=8)).eval()
     ids = torch.randint(3, 96, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     plain = m.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, 40:].tolist()
     srv = S.PrefillServer(m, secret="w").start()
@@ -76,7 +75,8 @@ def test_sliding_window_model_over_tcp():
         cli = DecodeClient(m, *srv.address, secret="w")
         got = cli.generate(ids, Q(method="identity"), max_new_tokens=8)
         assert got["tokens"] == plain and {e[2] for e in got["events"]} == {0, 1, 2}
-        assert got["bytes"] == 3 * 2 * 1 * 2 * 8 * 16 * 4  # layers × K/V × batch × heads × window × head_dim × fp32
+        # layers × K/V × batch × heads × window × head_dim × fp32
+        assert got["bytes"] == 3 * 2 * 1 * 2 * 8 * 16 * 4
         assert cli.generate(ids, Q(), max_new_tokens=8)["tokens"] == cli.generate(ids, Q(), max_new_tokens=8,
                                                                                  speculative=False)["tokens"]
         cli.close()
@@ -257,7 +257,8 @@ def test_torch_distributed_transport_gloo():
     for p in ps:
         p.join(60)
     assert got[0] == [("CONTROL", 0, 2), ("CONTROL", 1, 2)]
-    assert sorted(got[1][:6]) == sorted([("RESIDUAL", i, 100) for i in range(3)] + [("ANCHOR", i, 10) for i in range(3)])
+    assert sorted(got[1][:6]) == sorted([("RESIDUAL", i, 100) for i in range(3)]
+                                        + [("ANCHOR", i, 10) for i in range(3)])
     assert got[1][6:] == [("timeout", True), "PeerClosed"]
     assert all(p.exitcode == 0 for p in ps)
 

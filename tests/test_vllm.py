@@ -6,7 +6,6 @@ equals vLLM's own cache op; traffic through two `vllm serve` and the proxy (test
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest

@@ -83,7 +83,8 @@ def test_the_topk_only_defect_is_probed_on_vllm_itself():
     code = ("import json, torch; from lynx_hf.vllm import fixes as f; "
             "from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p as a; "
             "e = torch.empty(0, 8); k = torch.empty(0, dtype=torch.int32); "
-            "print(json.dumps([f.topk_only_broken(), list(a(e, k, torch.empty(0)).shape), list(a(e, None, torch.empty(0)).shape)]))")
+            "print(json.dumps([f.topk_only_broken(), list(a(e, k, torch.empty(0)).shape), "
+            "list(a(e, None, torch.empty(0)).shape)]))")
     p = subprocess.run([str(VPY), "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-2000:]
     broken, with_p, p_only = json.loads(p.stdout.strip().splitlines()[-1])

@@ -15,7 +15,7 @@ from lynx_hf.vllm import paged
 from lynx_hf.vllm.hooks import (LoadMeta, ParamsError, SaveMeta, SchedulerSide, StepMeta, check_block_size, full_salt,
                                 parse_params)
 from lynx_hf.vllm.proposer import DraftBook, LynxProposer, belongs
-from lynx_hf.vllm.stream import (KVPublisher, KVSpec, Subscription, StreamError, segment_tokens, stream_tier,
+from lynx_hf.vllm.stream import (KVPublisher, KVSpec, Subscription, segment_tokens, stream_tier,
                                  token_digest)
 from lynx_hf.vllm.worker import WorkerSide
 

@@ -150,11 +150,13 @@ def test_layout_refuses_too_few_blocks_foreign_blocks_and_segments_that_do_not_f
 
 
 def test_layout_names_refused_in_one_line_with_what_is_supported():
-    for backend, order in (("ROCM_ATTN", "LBNHC"), ("FLASHINFER", "LHBNC"), ("CPU_ATTN", "LBNHC"), ("FLASH_ATTN", "NHD")):
+    for backend, order in (("ROCM_ATTN", "LBNHC"), ("FLASHINFER", "LHBNC"), ("CPU_ATTN", "LBNHC"),
+                           ("FLASH_ATTN", "NHD")):
         with pytest.raises(ValueError) as e:
             paged.Layout(backend, order)
         msg = str(e.value)
-        assert f"{backend!r}" in msg and f"{order!r}" in msg and "supported: CPU_ATTN: LBHNC;" in msg and "\n" not in msg
+        assert (f"{backend!r}" in msg and f"{order!r}" in msg and "supported: CPU_ATTN: LBHNC;" in msg
+                and "\n" not in msg)
 
 
 def test_layout_choice_of_register_kv_caches_refuses_unknown_backends_in_one_line():
@@ -188,7 +190,6 @@ def test_layout_worker_register_binds_each_layer_and_names_the_one_that_does_not
 def test_layout_prefill_on_flashattention_nhd_streams_to_decode_on_flashinfer_hnd_exactly():
     """The stream carries [1, H_kv, P, D]: instances on different layouts interoperate (full tier, tolerance 0)."""
     from lynx_hf import LynxQuantConfig
-    from lynx_hf.quant import dequantize, encode
     from lynx_hf.vllm.hooks import LoadMeta, SaveMeta, StepMeta
     from lynx_hf.vllm.stream import KVPublisher
     from lynx_hf.vllm.worker import WorkerSide
@@ -242,7 +243,8 @@ def _against_vllm() -> dict:
     from vllm.v1.worker.utils import allocate_kv_cache
 
     out = {"orders": {m.name: m.value for m in KVCacheLayout} == paged.ORDERS == STRIDE_ORDER,
-           "view_orders": all(paged.Layout("FLASH_ATTN", m.name).view_order == m.layer_view_order for m in KVCacheLayout),
+           "view_orders": all(paged.Layout("FLASH_ATTN", m.name).view_order == m.layer_view_order
+                              for m in KVCacheLayout),
            "names": [c.get_name() for c in (FlashAttentionBackend, TritonAttentionBackend, CPUAttentionBackend)]
            == ["FLASH_ATTN", "TRITON_ATTN", "CPU_ATTN"] and "FLASHINFER" in AttentionBackendEnum.__members__,
            "cpu_layouts": [m.name for m in CPUAttentionBackend.supported_kv_cache_layouts()]

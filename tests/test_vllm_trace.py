@@ -69,7 +69,8 @@ def test_vllm_bench_refuses_a_bad_trace_before_any_server_starts(tmp_path, capsy
     model.mkdir()
     monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained",
                         lambda *_a, **_k: (lambda text: type("T", (), {"input_ids": list(range(9000))})()))
-    for path, word in ((str(tmp_path / "none.jsonl"), "No such file"), (_write(tmp_path, ROWS[:2], name="a"), "no conversation"),
+    for path, word in ((str(tmp_path / "none.jsonl"), "No such file"),
+                       (_write(tmp_path, ROWS[:2], name="a"), "no conversation"),
                        (_write(tmp_path, ROWS, "{bad\n", name="b"), "not JSON")):
         with pytest.raises(SystemExit):
             bench.main(["--model", str(model), "--trace", path, "--port", "19300"])

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from lynx_hf import LynxQuantConfig
-from lynx_hf.quant import dequantize, encode
 from lynx_hf.vllm import paged, worker
-from lynx_hf.vllm.hooks import SchedulerSide, StepMeta
+from lynx_hf.vllm.hooks import SchedulerSide
 from lynx_hf.vllm.stream import KVPublisher, KVSpec, stream_tier, token_digest
 
 SECRET, FP = b"traffic", "fp"
@@ -197,7 +196,7 @@ def test_more_long_prompts_than_the_kv_holds_all_complete_exactly_and_nothing_wr
         return done, failed
 
     monkeypatch.setattr(work, "results", checked_results)
-    kvs, reals, ids_of = {}, [], {}
+    kvs, reals = {}, []
     try:
         arrivals = []
         for n in range(12):  # 12 transfers of 150-200 positions (10-13 blocks each, +60 tokens decoded)

@@ -16,7 +16,8 @@ from lynx_hf.transfer.wire import (HEADER, MAX_PAYLOAD, VERSION, Frame, FrameTyp
 def test_frame_roundtrip_exact():
     buf = encode_frame(FrameType.SEGMENT, Stream.RESIDUAL, 7, 3, b"\x00\x01payload")
     f = parse_frame(buf)
-    assert (f.type, f.stream, f.request_id, f.seq, f.payload) == (FrameType.SEGMENT, Stream.RESIDUAL, 7, 3, b"\x00\x01payload")
+    assert ((f.type, f.stream, f.request_id, f.seq, f.payload)
+            == (FrameType.SEGMENT, Stream.RESIDUAL, 7, 3, b"\x00\x01payload"))
     assert parse_frame(json_frame(FrameType.OK, 1, 0, {"mac": "5"})).json() == {"mac": "5"}
     with pytest.raises(WireError, match="limit of 4096"):  # e.g. before the handshake: refused from the header
         parse_frame(encode_frame(FrameType.HELLO, Stream.CONTROL, 0, 0, bytes(5000)), limit=4096)

@@ -46,7 +46,8 @@ POWER_T = 0.9  # the power check's reference temperature, as a factor of the sam
 
 
 def processed(top: dict, temperature: float, top_k: int, top_p: float) -> dict:
-    """Raw logprobs {token id: logprob} (the top ones) → the distribution vLLM samples from, {token id: p} (float64)."""
+    """Raw logprobs {token id: logprob} (the top ones) → the distribution vLLM samples from, {token id: p}
+    (float64)."""
     ranked = sorted(top, key=lambda t: (-top[t], t))
     kth = top[ranked[top_k - 1]]
     keep = [t for t in ranked if top[t] >= kth]  # (vLLM's top-k: logits >= the k-th largest)

@@ -6,9 +6,9 @@ small KV space). Prints one JSON line (the test asserts). Usage: python tests/vl
 1. streaming: 4 short greedy prompts together equal themselves alone, token for token; chat; whole = streamed.
 2. traffic: 6 long (600-token) greedy prompts, two of them sent twice, alone first (logprobs=2), then all 8 at
    once with 4 sampled requests (temperature 1.0) and 6 plain requests decoding 300 tokens straight on the decode
-   instance: more than the decode KV holds, in a mixed batch, outgrowing it (vLLM preempts). Every request completes; each greedy output equals itself alone or its
-   first difference is a near-tie of the alone run's top-2 logprobs (reported with the gap); vLLM's preemption
-   counter is read.
+   instance: more than the decode KV holds, in a mixed batch, outgrowing it (vLLM preempts). Every request
+   completes; each greedy output equals itself alone or its first difference is a near-tie of the alone run's top-2
+   logprobs (reported with the gap); vLLM's preemption counter is read.
 3. bad requests: malformed Lynx parameters at either instance fail alone with a reason; the engines serve on.
 4. sampling: the distribution of the first drafted-and-verified token (completion token 3) with drafts (proxy A)
    and without (proxy B), N requests each, χ² homogeneity; the same statistic between temperatures 1.0 and 0.6
@@ -79,7 +79,8 @@ async def traffic(base, decode, model, prompts, plain):
     """prompts: Lynx requests through the proxy; plain: a prompt sent N_PLAIN times straight to the decode instance,
     each decoding PLAIN_NEW tokens (together they outgrow the KV: vLLM preempts)."""
     lynx, direct = f"{base}/v1/completions", f"{decode}/v1/completions"
-    greedy = lambda ids, n=NEW: {"model": model, "prompt": ids, "max_tokens": n, "temperature": 0, "logprobs": 2}  # noqa
+    greedy = lambda ids, n=NEW: {"model": model, "prompt": ids, "max_tokens": n, "temperature": 0,  # noqa
+                                 "logprobs": 2}
     refs = [(lynx, greedy(p)) for p in prompts] + [(direct, greedy(plain, PLAIN_NEW))]
     batch = list(range(len(refs))) + [0, 1] + [len(prompts)] * (N_PLAIN - 1)  # two Lynx prompts twice, plain 6x
     sampled = [{"model": model, "prompt": p, "max_tokens": NEW, "temperature": 1.0, "seed": 100 + i}
@@ -141,7 +142,8 @@ async def sampling(base_a, base_b, model, ids):
 
 
 def chi2_sf(x, k):
-    """P(χ²_k > x): the regularized upper incomplete gamma Q(k/2, x/2) (series below a + 1, continued fraction above)."""
+    """P(χ²_k > x): the regularized upper incomplete gamma Q(k/2, x/2) (series below a + 1, continued fraction
+    above)."""
     import math
 
     a, x = k / 2.0, x / 2.0

@@ -15,15 +15,14 @@ defaulting to the embedded model's."""
 from __future__ import annotations
 
 import functools
-import json
 import os
 import random
 
 LETTERS = "ABCDEFGHIJ"
 SHOTS = 5
 SEED = 1234
-DESCRIPTION = ("The following are multiple choice questions (with answers) about {}. Think step by step and then finish "
-               "your answer with \"the answer is (X)\" where X is the correct letter choice.\n")
+DESCRIPTION = ("The following are multiple choice questions (with answers) about {}. Think step by step and then "
+               "finish your answer with \"the answer is (X)\" where X is the correct letter choice.\n")
 
 
 def data_path() -> str:

@@ -36,8 +36,8 @@ from ..trace import Trace
 from .store import complete
 
 BUSY = "this LynxCache is in use by a generate call that has not finished (or by a copy being made of it)"
-BROKEN = ("a generation on this LynxCache failed part-way, so what it holds is unknown: build a new one from the prefill "
-          "(LynxCache.from_prefill or a new request)")
+BROKEN = ("a generation on this LynxCache failed part-way, so what it holds is unknown: build a new one from the "
+          "prefill (LynxCache.from_prefill or a new request)")
 PROMPT_MISMATCH = ("generate got another prompt than the one this LynxCache was prefilled with (its ids or its "
                    "attention mask differ): pass generate the input_ids and attention_mask given to from_prefill "
                    "(a padded batch needs attention_mask= in both)")
@@ -163,7 +163,8 @@ class Conversation:
                 raise ValueError(f"input_ids contradict the conversation this LynxCache holds: position {d} is token "
                                  f"{int(ids[d])} here but {int(known[d])} in the cache ({held} tokens held). Pass the "
                                  f"conversation as the cache holds it (cache.held_ids, then the new tokens), or set "
-                                 f"cache.on_mismatch = 'crop' to drop the cached KV from position {d} on and recompute it")
+                                 f"cache.on_mismatch = 'crop' to drop the cached KV from position {d} on and "
+                                 "recompute it")
             m = d
         start = min(m, L - 1)
         if start < held:

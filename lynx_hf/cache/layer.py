@@ -58,7 +58,8 @@ class LynxLayer(CacheLayerMixin):
             raise RuntimeError(f"begin_range({prompt_len}) needs a sealed layer ending before it (ends at {base})")
         first = max(self.offset, prompt_len - window_positions(prompt_len, self.sliding_window))
         keep = max(0, base - first)
-        self.prefix = (self.keys[..., self.keys.shape[-2] - keep:, :], self.values[..., self.values.shape[-2] - keep:, :])
+        self.prefix = (self.keys[..., self.keys.shape[-2] - keep:, :],
+                       self.values[..., self.values.shape[-2] - keep:, :])
         self.keys = self.values = None
         self.is_initialized, self.tier, self.sealed = False, None, False
         self.offset, self.prompt_len = first, prompt_len

@@ -2,8 +2,8 @@
 
 It orchestrates: a loader on another thread fills each layer's `PromptStore` (`put_anchor` / `put_residual` /
 `put_logits`, under the cache's lock); the decoding thread polls readiness without blocking and materialises a tier
-(`set_tier`, or layer by layer inside a forward pass with `set_tier("full", per_layer=True)`). The lock covers the stores
-only: dequantization runs outside it, so the receiver keeps reading the socket while a tier is materialised.
+(`set_tier`, or layer by layer inside a forward pass with `set_tier("full", per_layer=True)`). The lock covers the
+stores only: dequantization runs outside it, so the receiver keeps reading the socket while a tier is materialised.
 
 Two ways to decode from it:
   * `model.generate(prompt, cache=cache, custom_generate=lynx_hf.speculative_generate, ...)`: drafts on the anchor
@@ -343,7 +343,8 @@ def refuse_spec_config(spec_config) -> None:
     """The drafting settings moved from the cache to the generate call (0.1: the cache stores, the engine is told)."""
     if spec_config is not None:
         raise TypeError("spec_config is a setting of the generate call, not of the cache: pass it to "
-                        "model.generate(..., custom_generate=lynx_hf.speculative_generate, spec_config=SpecConfig(...))")
+                        "model.generate(..., custom_generate=lynx_hf.speculative_generate, "
+                        "spec_config=SpecConfig(...))")
 
 
 PREFILL_SIDE: dict = {}  # "from_prefill", "from_kv", "add_turn": registered by lynx_hf.local (above this package)

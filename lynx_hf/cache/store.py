@@ -1,7 +1,8 @@
 """`PromptStore`: one layer's encoded prompt as it arrives — anchor-stream segments (codes + metadata), their
-residuals (and, in exact mode, their corrections), which prompt positions they cover and whether a tier is complete. Codes move to the cache's device when
-they are stored (through pinned host memory, without blocking the receiver), so a tier is dequantized where the
-model runs and only codes cross PCIe. Not thread-safe by itself: `LynxCache` calls it under its lock."""
+residuals (and, in exact mode, their corrections), which prompt positions they cover and whether a tier is complete.
+Codes move to the cache's device when they are stored (through pinned host memory, without blocking the receiver),
+so a tier is dequantized where the model runs and only codes cross PCIe. Not thread-safe by itself: `LynxCache`
+calls it under its lock."""
 from __future__ import annotations
 
 import bisect
@@ -52,7 +53,8 @@ class PromptStore:
         i = bisect.bisect_left(starts, start)
         for s0 in starts[max(i - 1, 0): i + 1]:  # only the neighbours can overlap
             if start < s0 + segs[s0].shape[2] and s0 < end:
-                raise ValueError(f"{kind} segment [{start}, {end}) overlaps [{s0}, {s0 + segs[s0].shape[2]}) (duplicate?)")
+                raise ValueError(f"{kind} segment [{start}, {end}) overlaps [{s0}, {s0 + segs[s0].shape[2]}) "
+                                 "(duplicate?)")
         split = SplitKV(split.config, split.kind, split.shape, split.dtype, self._stage(split.anchor),
                         None if split.residual is None else self._stage(split.residual),
                         {n: self._stage(t) for n, t in split.meta.items()}, split.axis,

@@ -66,18 +66,19 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
     the prompt, exactly the verified tokens plain `generate` would give a streamer, in order, and its `end()` however
     generation ends (an error included), so a `TextIteratorStreamer` consumer's loop always ends. Transformers 5.x
     hands a callable custom_generate only its own extra parameters: a `streamer=` given to `generate` stays with
-    Transformers, which gives it the prompt and nothing more (docs/generate.md, "Streaming"); an
-    `assistant_model=` is dropped there too. Drafting settings: `spec_config=` (a SpecConfig; default `SpecConfig.for_anchor` of the cache's anchor width); `t0=`: the request's
-    start (time.perf_counter(); default: now), from which `cache.stats`' times count. For the same
-    reason `tokenizer=` never reaches a callable, so `stop_strings` (declared here, so that generate does not fail
-    first) is refused with the way out: `stopping_criteria=[StopStringCriteria(tokenizer, stops)]`, which stops at
-    the same tokens (the Hub folder's `generate` builds it for you). Whatever cannot equal plain `generate` stops
-    here at once with one error (engine/support.py: the prompt must be the one the cache was prefilled with, mask
-    included; no contrastive search, DoLa, token healing, encoder-decoders; LongRoPE only within its original
-    range; images only those the prompt was prefilled with); drafting narrows (chain in lock-step, or none, with a
-    warning) where a model or a logits processor cannot take it. Stopping criteria see verified tokens only. Rows
-    of a batch accept drafts independently (`cache.stats["accepted_per_row"]`); the scores of steps a finished,
-    padded row did not run are −inf but 0 at the pad token (plain generate runs those rows on: docs/generate.md)."""
+    Transformers, which gives it the prompt and nothing more (docs/generate.md, "Streaming"); an `assistant_model=`
+    is dropped there too. Drafting settings: `spec_config=` (a SpecConfig; default `SpecConfig.for_anchor` of the
+    cache's anchor width); `t0=`: the request's start (time.perf_counter(); default: now), from which `cache.stats`'
+    times count. For the same reason `tokenizer=` never reaches a callable, so `stop_strings` (declared here, so
+    that generate does not fail first) is refused with the way out:
+    `stopping_criteria=[StopStringCriteria(tokenizer, stops)]`, which stops at the same tokens (the Hub folder's
+    `generate` builds it for you). Whatever cannot equal plain `generate` stops here at once with one error
+    (engine/support.py: the prompt must be the one the cache was prefilled with, mask included; no contrastive
+    search, DoLa, token healing, encoder-decoders; LongRoPE only within its original range; images only those the
+    prompt was prefilled with); drafting narrows (chain in lock-step, or none, with a warning) where a model or a
+    logits processor cannot take it. Stopping criteria see verified tokens only. Rows of a batch accept drafts
+    independently (`cache.stats["accepted_per_row"]`); the scores of steps a finished, padded row did not run are
+    −inf but 0 at the pad token (plain generate runs those rows on: docs/generate.md)."""
     if spec_config is not None and not isinstance(spec_config, SpecConfig):
         raise TypeError(f"spec_config must be a lynx_hf.SpecConfig, got {type(spec_config).__name__}")
     if t0 is not None and not isinstance(t0, float):
@@ -97,7 +98,8 @@ def _generate(model, input_ids, logits_processor, stopping_criteria, gc, streams
         raise ValueError("speculative_generate needs cache=LynxCache(...) (e.g. from LynxCache.from_prefill)")
     conv = cache.conversation
     conv.listening = False  # generate marked the cache as given to it; this call takes it (no plain forward)
-    with conv.claim(holder="generate"):  # until it returns: a copy or fork of the cache, or another generate on it, is refused
+    # until it returns: a copy or fork of the cache, or another generate on it, is refused
+    with conv.claim(holder="generate"):
         return _generate_claimed(model, input_ids, logits_processor, stopping_criteria, gc, streams, spec,
                                  stop_strings, token_healing, model_kwargs, cache, t0)
 

@@ -3,8 +3,8 @@ would end within `SpecConfig.verify_lead` of those steps before the residual is 
 verify pass then starts early and runs each layer as its residual lands, so it overlaps the end of the transfer.
 
 A step's cost grows with the positions it runs (a tree's frontier; ~47 ms for one, ~78 ms for eight on the
-default model at 1K context and two CPU cores): the policy fits cost = a + b·nodes to the steps it has timed (least squares;
-the mean while it has seen one size only) and asks it for the next step's size."""
+default model at 1K context and two CPU cores): the policy fits cost = a + b·nodes to the steps it has timed (least
+squares; the mean while it has seen one size only) and asks it for the next step's size."""
 from __future__ import annotations
 
 

@@ -25,8 +25,8 @@ from . import baselines, exact, lynx
 from .shapes import SENT_AXES, StreamShapes, TensorSpec, coded_shapes, lynx_shapes, passthrough_shapes, uniform_shapes
 from .splitkv import TIERS, SplitKV
 
-__all__ = ["encode", "dequantize", "decode", "correction", "stream_shapes", "StreamShapes", "TensorSpec", "SplitKV", "TIERS",
-           "Codec", "CODECS", "codec", "validate_input"]
+__all__ = ["encode", "dequantize", "decode", "correction", "stream_shapes", "StreamShapes", "TensorSpec", "SplitKV",
+           "TIERS", "Codec", "CODECS", "codec", "validate_input"]
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -17,7 +17,8 @@ _AXIS = {"key": "channel", "value": "token"}  # KIVI: per-channel keys, per-toke
 
 
 def _grouped(x: torch.Tensor, axis: str, group: int) -> torch.Tensor:
-    """x: [B, H, S, D] → a view whose last dim is one group: channel → [B, H, NG, D, G]; token → [B, H, S, D/G, G]."""
+    """x: [B, H, S, D] → a view whose last dim is one group: channel → [B, H, NG, D, G];
+    token → [B, H, S, D/G, G]."""
     B, H, S, D = x.shape
     if axis == "channel":
         return _pad_tokens(x, group).view(B, H, -1, group, D).transpose(-1, -2)

@@ -95,7 +95,8 @@ def kernels(device: torch.device, numel: int = 0, path: str | None = None) -> ly
             from lynx_hf.kernels import dequantize_codes_triton, encode_codes_triton
         except ImportError:  # no Triton here, or the Hub folder (no kernels): the torch twin on the GPU
             return lynx.REFERENCE
-        return dataclasses.replace(lynx.REFERENCE, encode_codes=encode_codes_triton, dequantize_codes=dequantize_codes_triton)
+        return dataclasses.replace(lynx.REFERENCE, encode_codes=encode_codes_triton,
+                                   dequantize_codes=dequantize_codes_triton)
     path = path or _state["path"]
     if path in ("auto", "c"):
         k = _c_kernels()

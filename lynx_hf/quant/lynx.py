@@ -11,7 +11,8 @@ Hierarchy (paper notation), for x: [B, H, S, D]:
   3. α-law:    y = sign(u)·ln(1+α|u|)/ln(1+α), coded on 8 bits (see tables.py), split into a b-bit anchor
                (MSBs; b = config.anchor_bits, 4 by default) and an (8 − b)-bit residual (LSBs), each bit-packed
                along D (quant/pack.py: 4-bit codes two a byte).
-Dequantizing is x̂ = γ_min + γ_scale·(μ + σ·LUT[code]). Codes depend only on u, computed the same way everywhere."""
+Dequantizing is x̂ = γ_min + γ_scale·(μ + σ·LUT[code]).
+Codes depend only on u, computed the same way everywhere."""
 from __future__ import annotations
 
 import math
@@ -43,7 +44,8 @@ def page_range(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.
     gmin = torch.where(gmin.float() > lo, torch.nextafter(gmin, torch.tensor(-torch.inf, dtype=gmin.dtype)), gmin)
     span = hi - gmin.float()
     gscale = span.clamp_min(2.0 ** -24).half()
-    gscale = torch.where(gscale.float() < span, torch.nextafter(gscale, torch.tensor(torch.inf, dtype=gscale.dtype)), gscale)
+    gscale = torch.where(gscale.float() < span,
+                         torch.nextafter(gscale, torch.tensor(torch.inf, dtype=gscale.dtype)), gscale)
     return gmin, gscale
 
 
@@ -54,7 +56,8 @@ def _page_view(t: torch.Tensor, S: int, page: int) -> torch.Tensor:
 
 
 def _chunk_view(t: torch.Tensor, S: int, axis: str, chunk: int) -> torch.Tensor:
-    """Chunk stats → broadcastable per-token view: channel axis [B,H,NC,D] → [B,H,S,D]; token axis [B,H,S] → [B,H,S,1]."""
+    """Chunk stats → broadcastable per-token view: channel axis [B,H,NC,D] → [B,H,S,D];
+    token axis [B,H,S] → [B,H,S,1]."""
     if axis == "token":
         return t.float().unsqueeze(-1)
     B, H, NC, D = t.shape
@@ -295,5 +298,5 @@ def dequantize(split: SplitKV, tier: str, kernels: Kernels = REFERENCE,
     m = split.meta
     res, lut = (split.residual, full) if tier == "full" else (None, anc)
     return kernels.dequantize_codes(split.anchor, res, m.get("gamma_min"), m.get("gamma_scale"), m["mu"], m["sigma"],
-                                    lut, axis=split.axis, page=cfg.page_size, chunk=cfg.chunk_size, out_dtype=split.dtype,
-                                    out=out, anchor_bits=cfg.anchor_bits)
+                                    lut, axis=split.axis, page=cfg.page_size, chunk=cfg.chunk_size,
+                                    out_dtype=split.dtype, out=out, anchor_bits=cfg.anchor_bits)

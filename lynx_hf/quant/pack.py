@@ -1,7 +1,8 @@
 """Bit packing along the last dimension, lossless. `pack_bits(codes, b)`: groups of g = 8 / gcd(8, b) consecutive
-codes become g·b/8 bytes, code i of a group in bits [b·i, b·i + b) of the group's little-endian word — so 4-bit codes
-are nibbles (even index in the low nibble: `pack4`) and 2-bit codes four a byte (`pack2`). `split_codes(c, b)`: an
-8-bit code c → (anchor: its top b bits, residual: the other 8 − b), c == (anchor << (8 − b)) | residual exactly."""
+codes become g·b/8 bytes, code i of a group in bits [b·i, b·i + b) of the group's little-endian word — so 4-bit
+codes are nibbles (even index in the low nibble: `pack4`) and 2-bit codes four a byte (`pack2`).
+`split_codes(c, b)`: an 8-bit code c → (anchor: its top b bits, residual: the other 8 − b),
+c == (anchor << (8 − b)) | residual exactly."""
 import math
 
 import torch

@@ -1,10 +1,10 @@
 """`SplitKV`: what one encoded K or V tensor is made of, and what each tier costs on the wire.
 
-The anchor stream is the packed 4-bit MSB codes plus *all* metadata (γ, μ/σ): it alone dequantizes to the anchor tier.
-The residual stream is the packed 4-bit LSB codes and nothing else. Exact mode adds a third stream, the correction
-(quant/exact.py: packed bytes, lowest priority) that turns the 8-bit reconstruction into the input's bits; the full
-tier is then the input itself. Baselines keep everything in `anchor` and have no residual, so both tiers are the
-same for them."""
+The anchor stream is the packed 4-bit MSB codes plus *all* metadata (γ, μ/σ): it alone dequantizes to the anchor
+tier. The residual stream is the packed 4-bit LSB codes and nothing else. Exact mode adds a third stream, the
+correction (quant/exact.py: packed bytes, lowest priority) that turns the 8-bit reconstruction into the input's
+bits; the full tier is then the input itself. Baselines keep everything in `anchor` and have no residual, so both
+tiers are the same for them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

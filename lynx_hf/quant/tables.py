@@ -27,11 +27,12 @@ def tables(method: str, alpha: float, anchor: str, bits: int = 4) -> tuple[torch
 
     method "lynx"  (rounded anchor + signed residual): with t = (y+1)/2 ∈ [0, 1], the anchor is a = round(A·t),
                    a 2^b-level grid that contains both ends (so a chunk's extremes survive the anchor tier), and the
-                   residual r ∈ 0..R−1 is the signed offset round(R·(A·t − a)) + R/2 within the anchor cell, so the
-                   full tier is t̂ = (R·a + r − R/2)/(A·R): a grid of A·R + 1 points (241 at b = 4, 225 at 3, 193 at
-                   2) that also contains both ends. So the anchor is a plain rounded b-bit code at every width, not the
-                   top bits of a 4-bit one. Measured: grids without the ends (mid-rise cells) match KIVI/INT8 in MSE
-                   but lose 3-5× in next-token KL. thresholds: 255 values of u; code c = R·a + r = #thresholds ≤ u.
+                   residual r ∈ 0..R−1 is the signed offset round(R·(A·t − a)) + R/2 within the anchor cell, so
+                   the full tier is t̂ = (R·a + r − R/2)/(A·R): a grid of A·R + 1 points (241 at b = 4, 225 at 3,
+                   193 at 2) that also contains both ends. So the anchor is a plain rounded b-bit code at every
+                   width, not the top bits of a 4-bit one. Measured: grids without the ends (mid-rise cells) match
+                   KIVI/INT8 in MSE but lose 3-5× in next-token KL. thresholds: 255 values of u; code
+                   c = R·a + r = #thresholds ≤ u.
     method "paper" (sign-magnitude): c = s·128 + m with m = round(127·y(|u|)); thresholds: 127 values of |u|.
                    The anchor keeps the sign and the b − 1 top magnitude bits (+0 and -0 are both codes).
     full_lut[c]:   u reconstructed from the 8-bit code.

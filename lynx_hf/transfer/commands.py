@@ -108,8 +108,9 @@ def _serve_prefill(a):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     model, _ = lynx_hf.load_default_model(a.model, dtype=getattr(torch, a.dtype))
     try:
-        srv = PrefillServer(model, host, port, listen_socket=sock, secret=secret, insecure=a.insecure, max_connections=a.max_connections,
-                            tls_cert=a.tls_cert, tls_key=a.tls_key, bandwidth_bps=None if bw is None else bw * 1e6,
+        srv = PrefillServer(model, host, port, listen_socket=sock, secret=secret, insecure=a.insecure,
+                            max_connections=a.max_connections, tls_cert=a.tls_cert, tls_key=a.tls_key,
+                            bandwidth_bps=None if bw is None else bw * 1e6,
                             latency_s=a.latency_ms / 1e3, handshake_timeout=a.handshake_timeout,
                             max_preauth=a.max_preauth, max_preauth_per_host=a.max_preauth_per_host,
                             idle_timeout_s=a.idle_timeout, send_timeout_s=a.send_timeout, prefill_step=a.prefill_step,
@@ -210,7 +211,8 @@ def _serve_decode(a):
             fail(f"{label}: {e}")
             if cli is not None and cli.broken:
                 cli.close()
-                cli = None  # the next prompt opens a new connection; a session resumes there, shipping only its new part
+                # the next prompt opens a new connection; a session resumes there, shipping only its new part
+                cli = None
             continue
         text = tok.decode(r["tokens"], skip_special_tokens=True) if a.session else tok.decode(r["tokens"])
         print(json.dumps({"text": text, "tokens": r["tokens"],
@@ -302,7 +304,7 @@ def register(sub) -> None:
 
 def _register_decode(sub) -> None:
     from ..config import METHODS
-    from ..flags import anchor_width, count, mbps, seconds, tokens
+    from ..flags import anchor_width, mbps, seconds, tokens
 
     q = sub.add_parser("serve-decode", help="the decode process: sends prompts, drafts, verifies, prints JSON lines",
                        formatter_class=HelpFormatter,

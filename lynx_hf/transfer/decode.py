@@ -178,7 +178,8 @@ class DecodeClient:
         or more; until then "auto" takes 4 bits). Everything this side must compute happens before it connects, so
         that the server's handshake deadline measures the network and the peer only."""
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not seconds().ok(timeout_s):
-            raise ConfigError(f"timeout_s must be a finite number of seconds in (0, {MAX_TIMEOUT_S:g}], got {timeout_s!r}")
+            raise ConfigError(f"timeout_s must be a finite number of seconds in (0, {MAX_TIMEOUT_S:g}], "
+                              f"got {timeout_s!r}")
         self.model, self.timeout = model, timeout_s
         self.placement = Placement(prefill_on)
         self.width = WidthPolicy(link_bps)
@@ -364,7 +365,8 @@ class DecodeClient:
                 arena.close()  # the server never began this request's data plane
             raise RequestRefused(f"the prefill server refused this request: {quote_peer(e.reason)}") from None
         except BaseException as e:
-            self._broken, self._arena = e, arena  # (a broken connection keeps its arena: nothing may write freed memory)
+            # (a broken connection keeps its arena: nothing may write freed memory)
+            self._broken, self._arena = e, arena
             raise
         return t0, p, rid, arena
 

@@ -1,5 +1,6 @@
 """Tensors on the wire as a self-describing binary table: KV segments (a SplitKV segment — anchor stream: codes +
-metadata —, a residual segment, codes only, or in exact mode a correction segment, its bytes) and the prefill's logits (FIRST).
+metadata —, a residual segment, codes only, or in exact mode a correction segment, its bytes) and the prefill's
+logits (FIRST).
 
 Contract: every received tensor's shape and dtype is checked against what the negotiated codec declares for the
 segment's geometry (`quant.stream_shapes`: no encode, no torch op) or the KV handshake declares for the logits,
@@ -70,7 +71,8 @@ def unpack_tensors(mv: memoryview, pos: int = 0) -> dict:
         nbytes = numel * torch.empty(0, dtype=dt).element_size()
         if pos + nbytes > len(mv):  # bounded by the payload actually received, before allocating
             raise WireError(f"tensor {name!r} declares {nbytes} bytes, only {len(mv) - pos} left")
-        raw = torch.frombuffer(bytearray(mv[pos:pos + nbytes]), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+        raw = (torch.frombuffer(bytearray(mv[pos:pos + nbytes]), dtype=torch.uint8) if nbytes
+               else torch.empty(0, dtype=torch.uint8))
         tensors[name] = raw.view(dt).reshape(shape)
         pos += nbytes
     if pos != len(mv):

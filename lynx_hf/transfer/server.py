@@ -137,7 +137,8 @@ def _refuse_renamed(kw: dict) -> None:
 def _positive(name: str, x, allow_none: bool = False, allow_zero: bool = False) -> None:
     if x is None and allow_none:
         return
-    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and (x > 0 or allow_zero and x == 0)
+    ok = (isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+          and (x > 0 or allow_zero and x == 0))
     if not ok:
         raise ConfigError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {x!r}")
 
@@ -191,7 +192,8 @@ class PrefillServer:
                                   f"{'' if tls_key else ' (no --tls-key: the key must be inside it)'}: {e}") from None
         self.model, self.secret, self.fp = model, resolve_secret(secret, insecure, host), fingerprint(model)
         warm_up(model)  # the codec's kernels and a request's paths now, not inside the first request
-        self.bw, self.latency, self.hs_timeout, self.max_conn = bandwidth_bps, latency_s, handshake_timeout, max_connections
+        self.bw, self.latency, self.hs_timeout, self.max_conn = (bandwidth_bps, latency_s, handshake_timeout,
+                                                                 max_connections)
         self.max_preauth, self.max_preauth_per_host = max_preauth, max_preauth_per_host
         self.idle_timeout_s, self.send_timeout_s = idle_timeout_s, send_timeout_s
         if listen_socket is not None:  # bound by the caller (serve-prefill, before loading the model): listen now

@@ -14,9 +14,9 @@ from ..errors import LynxError
 
 MAGIC = b"LYNX"
 VERSION = 8  # 2: FIRST carries the prefill's logits, PROMPT declares vocab and windows; 3: frame MACs; 4: CANCEL;
-#              5: PROGRESS; 6: REQUEST says what the decode side holds (held, held_digest), PROMPT where shipping starts;
-#              7: data planes (REQUEST data_plane, PROMPT data_plane, PLACED); 8: PROBE (a client's first frame),
-#              PROGRESS before PROMPT (a request waiting for a working-set slot)
+#              5: PROGRESS; 6: REQUEST says what the decode side holds (held, held_digest), PROMPT where shipping
+#              starts; 7: data planes (REQUEST data_plane, PROMPT data_plane, PLACED); 8: PROBE (a client's first
+#              frame), PROGRESS before PROMPT (a request waiting for a working-set slot)
 HEADER = struct.Struct("<4sBBBBIII I")  # magic, version, type, stream, flags, request_id, seq, length, crc32
 MAX_PAYLOAD = 64 << 20   # one frame's payload
 MAX_JSON = 4 << 20       # a control payload (prompt ids included)
@@ -49,14 +49,15 @@ class FrameType(enum.IntEnum):
     OK = 2        # JSON: handshake accepted (+ server's HMAC)
     REQUEST = 3   # JSON: request_id, input_ids, quant config, held (tokens the decode side holds) and their digest,
     #               data_plane (optional: a NIXL arena)
-    PROMPT = 4    # JSON: KV handshake — layers, windows, batch, kv heads, head dim, dtype, vocab, prompt length, codec,
-    #               start (first position shipped), refused (why a held claim was not taken), prefix_hit
+    PROMPT = 4    # JSON: KV handshake — layers, windows, batch, kv heads, head dim, dtype, vocab, prompt length,
+    #               codec, start (first position shipped), refused (why a held claim was not taken), prefix_hit
     SEGMENT = 5   # binary: one segment of one layer's K or V, anchor, residual or correction stream
     FIRST = 6     # binary: the prefill's last-position logits [batch, vocab] (tensor table)
     END = 7       # JSON: end of the request's streams (frame counts per stream, prefill time)
     ERROR = 8     # JSON: {"error": message}
     CANCEL = 9    # JSON {}: the decode side stopped early; drop this request's frames still queued
-    PROGRESS = 10  # JSON {prefilled, of, queued}: the request waits for the prefill's compute (keeps its client's clock)
+    PROGRESS = 10  # JSON {prefilled, of, queued}: the request waits for the prefill's compute (keeps its client's
+    #               clock)
     PLACED = 11   # binary (offset u64, length u64, SHA-256): a segment's bytes, placed in the decode side's arena by a
     #               data plane (NIXL); counted on its stream like the SEGMENT frame it stands for
     PROBE = 12    # JSON {}: a decode client's first frame, before the server's HELLO: a TLS port fails its handshake on

@@ -209,8 +209,8 @@ class LynxConnector(KVConnectorBase_V1):
         return LynxWorkerMetadata(stats) if stats else None
 
     def drafting(self) -> dict:
-        """Live transfers whose rows may get drafts (xfer → (P, key, members, first token), hooks.py): what LynxProposer drafts
-        for."""
+        """Live transfers whose rows may get drafts (xfer → (P, key, members, first token), hooks.py): what
+        LynxProposer drafts for."""
         return dict(self._worker.drafting) if self._worker is not None else {}
 
     def shutdown(self) -> None:

@@ -8,8 +8,8 @@ decode engine produced, the first that needs the KV (Lynx: the shadow's first dr
 their first verified token, on the whole KV): the figure the codec moves; first verified = R's first token; TT32T =
 the 32nd verified token (the prefill's first token counts). `--repeat N`: N rounds on the same engines, every method
 once per round in an order rotated per round; figures are medians, ratios medians of per-round paired ratios, each
-beside its floor from the round's own events (`floors`). Prints a table, writes runs/vllm_demo.json (every round) and a PNG timeline,
-and with --json ends with one JSON line."""
+beside its floor from the round's own events (`floors`). Prints a table, writes runs/vllm_demo.json (every round)
+and a PNG timeline, and with --json ends with one JSON line."""
 from __future__ import annotations
 
 import argparse
@@ -227,7 +227,8 @@ def main(argv=None) -> int:
     body = {"methods": rows, "engine": f"vllm {version}", "prompt_tokens": len(ids), "new_tokens": a.new_tokens,
             "bandwidth_mbps": a.bandwidth_mbps, "num_speculative_tokens": a.num_speculative_tokens,
             "sampling": sampling or "greedy",
-            "cores": "shared" if cores is None else {"prefill": cores[0], "decode": cores[1]}, **{k: v for k, v in summ.items() if k != "spread"}}
+            "cores": "shared" if cores is None else {"prefill": cores[0], "decode": cores[1]},
+            **{k: v for k, v in summ.items() if k != "spread"}}
     per_round = [{k: j[k] for k in ("rows", "order", "step_s", "floors", "at_floor")} for j in rounds]
     (out / "vllm_demo.json").write_text(json.dumps({**body, "spread": summ["spread"], "per_round": per_round},
                                                    indent=2) + "\n")

@@ -138,8 +138,8 @@ class EngineProcess:
     def start(self, start_timeout_s: float = 600.0) -> "EngineProcess":
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_child, args=(child, self.kwargs, self.env, self.cores), name=f"lynx-{self.name}",
-                                 daemon=True)
+        self._proc = ctx.Process(target=_child, args=(child, self.kwargs, self.env, self.cores),
+                                 name=f"lynx-{self.name}", daemon=True)
         self._proc.start()
         if not self._conn.poll(start_timeout_s):
             self.close()

@@ -10,7 +10,8 @@ A transfer's *members* are its requests that hold blocks; it is *live* on the de
 allocation until R and every member finished, and the decode side holds its codes (the *held copy*) that long, so
 a preempted R reloads exactly the same KV. Its *key* is the digest of the members' first P + 1 tokens (prompt +
 first token): how the proposer tells its rows apart; a live request outside it whose prompt starts with the
-transfer's P prompt tokens is a *rival*, and a transfer with a rival gets no drafts (rows are matched by content, see proposer.py).
+transfer's P prompt tokens is a *rival*, and a transfer with a rival gets no drafts (rows are matched by content,
+see proposer.py).
 
 Admission, the rule that keeps KV pressure from deadlocking (docs/vllm.md, "Under traffic"): a waiting load never
 depends on another request's blocks — R's load waits only for its stream, a shadow's for its own stream's anchors
@@ -265,7 +266,8 @@ class SchedulerSide:
         if p is None or p["role"] != "consume":
             return 0, False
         if local:
-            log.warning("request %s skips reading the prefix cache: it computes its prompt locally, without Lynx", req_id)
+            log.warning("request %s skips reading the prefix cache: it computes its prompt locally, without Lynx",
+                        req_id)
             return 0, False
         why = self.salted and _salt_refusal(p, salt)
         if why:

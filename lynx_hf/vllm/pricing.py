@@ -9,17 +9,19 @@ kept while it is live: S, the tokens its shadows were scheduled; S_R, those in s
 D and A, the drafts R verified and kept (R's first step left out: vLLM gives every request that loaded remote KV K
 placeholder drafts there, whatever the method). The expected ledger of a *kind* — greedy or sampled: a sampled
 shadow draws with a seed of its own, so its chain rarely stays on R's — is the mean over the last `HISTORY`
-transfers of that kind that had shadows (`PRIOR` until one ends). *Others* N: the real requests beside the transfer's — running and no
-transfer's shadow, or another transfer's R still loading (it runs soon); n̄: the tokens of the engine's last step.
+transfers of that kind that had shadows (`PRIOR` until one ends). *Others* N: the real requests beside the
+transfer's — running and no transfer's shadow, or another transfer's R still loading (it runs soon); n̄: the tokens
+of the engine's last step.
 
 Rule. Each token a transfer adds to a step makes that step b longer for every request in it, so its shadows cost
 the others N·b·(S + D − A) request-seconds (the shadows' tokens and R's rejected drafts) and R itself
 b·(S_R + D − A); they save R the A steps its kept drafts stand for, A·T(max(n̄, N + 1)). A transfer's shadows are
 admitted iff the saving is larger, decided once per transfer (its shadows come or go together). Alone (N = 0)
-they cost no other request: admitted, which keeps the ledger measured; and one transfer in `EXPLORE` of a kind refused in a
-row is admitted anyway, so the ledger keeps measuring what shadows win at today's load. As the engine fills, the
-cost grows with N while the saving grows only with the step, so shadows yield; as it empties they return. The
-figures behind it are in `state()`; docs/vllm.md ("Under load") states the rule with the figures measured."""
+they cost no other request: admitted, which keeps the ledger measured; and one transfer in `EXPLORE` of a kind
+refused in a row is admitted anyway, so the ledger keeps measuring what shadows win at today's load. As the engine
+fills, the cost grows with N while the saving grows only with the step, so shadows yield; as it empties they
+return. The figures behind it are in `state()`; docs/vllm.md ("Under load") states the rule with the figures
+measured."""
 from __future__ import annotations
 
 import collections

@@ -1,13 +1,13 @@
 """Drafts for vLLM's own verification: a `custom_class` proposer whose drafts are the shadow request's tokens.
 
 Terms. A *live transfer* is one the decode instance's connector drafts for (`LynxConnector.drafting()`: xfer →
-(P, key, members, first token)): its prompt length P, the *key* (digest of its members' first P + 1 tokens: the prompt and its first
-token) and how many requests it has. A row *belongs* to a live transfer when its first P + 1 tokens have that key
-(the longest P wins); the shadows S and the real request R all do. The *source* of a transfer is the longest
-sequence seen among its rows; a row whose tokens t[0:n] are a proper prefix of the source q gets q[n:n+K] as
-drafts. vLLM's rejection sampler verifies them against the row's own KV (R: the full tier) — greedy: the target's
-argmax; sampling: a draft without probabilities is a point mass, which keeps the target distribution — so R's
-output is what full-tier decoding gives, whatever the drafts are.
+(P, key, members, first token)): its prompt length P, the *key* (digest of its members' first P + 1 tokens: the
+prompt and its first token) and how many requests it has. A row *belongs* to a live transfer when its first P + 1
+tokens have that key (the longest P wins); the shadows S and the real request R all do. The *source* of a transfer
+is the longest sequence seen among its rows; a row whose tokens t[0:n] are a proper prefix of the source q gets
+q[n:n+K] as drafts. vLLM's rejection sampler verifies them against the row's own KV (R: the full tier) — greedy:
+the target's argmax; sampling: a draft without probabilities is a point mass, which keeps the target distribution —
+so R's output is what full-tier decoding gives, whatever the drafts are.
 
 Ownership. vLLM hands the proposer rows, not request ids (`propose(sampled_token_ids, num_tokens_no_spec,
 token_ids_cpu)`), so rows are matched by content, and content is made unambiguous before any draft is given: the

@@ -5,11 +5,11 @@
 Per request (`/v1/completions`, `/v1/chat/completions`, streaming or not): the prompt is tokenized by the prefill
 instance (`/tokenize`, chat template included); the prefill instance runs it with max_tokens=1 and publishes its KV
 (its first token goes to the client at once); the decode instance gets the shadow (anchor tier, its own cache
-salt, output discarded, closed when the real request ends; two, as LynxPD sends them) and the real request (full tier), whose tokens are
-streamed back. Concurrent requests are batched by vLLM. A failed upstream request ends the client's request with
-an error naming it; the proxy serves on. `logprobs` (an int, /v1/completions) comes back for every token, the
-prefill's first one included. A shadow samples as its real request does, with a seed of its own where the request
-names one (a draft must not share the randomness that verifies it). `--shadows 0` turns drafting off.
+salt, output discarded, closed when the real request ends; two, as LynxPD sends them) and the real request (full
+tier), whose tokens are streamed back. Concurrent requests are batched by vLLM. A failed upstream request ends the
+client's request with an error naming it; the proxy serves on. `logprobs` (an int, /v1/completions) comes back for
+every token, the prefill's first one included. A shadow samples as its real request does, with a seed of its own
+where the request names one (a draft must not share the randomness that verifies it). `--shadows 0` turns drafting off.
 Every answer names its transfer in the `X-Lynx-Xfer` header, the key of the decode instance's `transfer_log` lines
 (connector.py): what the request shipped, for an operator's accounting and vllm-bench's."""
 from __future__ import annotations

@@ -2,18 +2,19 @@
 (`register`), the encoder and publisher on the prefill instance, the transfers and loads on the decode instance.
 
 Hooks: `handle_preemptions` and `begin_step` (start_load_kv) take the step's metadata; `save_layer`
-(save_kv_layer) and `end_saves` (wait_for_save); `results` (get_transfer_results); `stats` (build_connector_worker_meta); `drafting` (what the
-proposer drafts for).
+(save_kv_layer) and `end_saves` (wait_for_save); `results` (get_transfer_results); `stats`
+(build_connector_worker_meta); `drafting` (what the proposer drafts for).
 
 Decode instance. One `Subscription` per live transfer holds its codes until the scheduler side closes it. A *load*
 places one request's tier into its blocks, piece by piece, from its own cursor over the held pieces, so no load
 waits for another request (a late one replays what arrived before it). Each `results` call places pieces for at
 most as long as the engine ran since the last one returned (the forward, the scheduler, the proposer), and at
 least `drain_ms` (and one piece): placement gets at most half the engine's time while there is a backlog, so a fast
-link never stalls the batch, and a slow step never starves placement. Real requests first, then waiting shadows, then upgrades of decoding shadows. R is
-ready when its full tier is placed; a shadow when its anchors are and its share (`release`) of the full tier
-(with `upgrade_shadows`, placed into its own blocks: a shadow drafts on KV that improves as the residual lands).
-Writes into a request's blocks stop the step vLLM preempts, aborts or finishes it, before the next forward."""
+link never stalls the batch, and a slow step never starves placement. Real requests first, then waiting shadows,
+then upgrades of decoding shadows. R is ready when its full tier is placed; a shadow when its anchors are and its
+share (`release`) of the full tier (with `upgrade_shadows`, placed into its own blocks: a shadow drafts on KV that
+improves as the residual lands). Writes into a request's blocks stop the step vLLM preempts, aborts or finishes it,
+before the next forward."""
 from __future__ import annotations
 
 import logging
