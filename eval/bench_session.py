@@ -137,7 +137,7 @@ def run(turns: int = 4, bandwidth_mbps: float = 15.0, new_tokens: int = 32, pref
         repeat: int = 1) -> dict:
     """repeat: rounds, each the whole conversation in every arm (a round's own conversations: no prefix hit across
     rounds), the arms' order rotated per round; the ratios at the last turn are medians of per-round paired ratios,
-    beside their floors (eval/floors.py: a turn's TTFT floor is its logits' arrival)."""
+    beside their floors (lynx_hf/floors.py: a turn's TTFT floor is its logits' arrival)."""
     say = printer(as_json, stderr=True)
     if new_tokens < 32:
         raise ValueError("--new-tokens must be at least 32 (TT32T)")
@@ -219,7 +219,7 @@ RATIOS = {"delta_whole_ttft": ("lynx/delta", "lynx/whole", "ttft_s"),
           "delta_whole_decode_start": ("lynx/delta", "lynx/whole", "decode_start_s"),
           "lynx_int4_delta_decode_start": ("lynx/delta", "int4/delta", "decode_start_s"),
           "lynx_int8_delta_decode_start": ("lynx/delta", "int8/delta", "decode_start_s")}
-FLOORED = ("ttft_s", "decode_start_s")  # the figures with a floor here (eval/floors.py)
+FLOORED = ("ttft_s", "decode_start_s")  # the figures with a floor here (lynx_hf/floors.py)
 
 
 def _floors(row: dict) -> dict:
@@ -318,7 +318,7 @@ def _rounds_lines(res: dict) -> list[str]:
         return []
     fl, at = res["floor"], res["at_floor"]
     out = ["", f"Over {res['rounds']} rounds (the arms' order rotated per round), the last turn's paired ratios, "
-               "medians [min, max] (floor: the same ratio of the arms' floors, eval/floors.py):", ""]
+               "medians [min, max] (floor: the same ratio of the arms' floors, lynx_hf/floors.py):", ""]
     for k in RATIOS:
         v = res["ratios"].get(k)
         if v:

@@ -11,7 +11,7 @@ options, so it is verified at once and is the prefill's plus one frame for every
 token, the first that needs the KV (a draft on the anchor, or a verified one): the figure the codec moves; TT32T to 32
 verified tokens. `--repeat N`: N rounds on the same model and prefill process,
 every method once per round in an order rotated per round; each figure the median with [min, max], each ratio the
-median of the per-round paired ratios, each beside its floor from the same round's events (eval/floors.py). Prints
+median of the per-round paired ratios, each beside its floor from the same round's events (lynx_hf/floors.py). Prints
 a table, writes JSON (every round) + a PNG timeline (+ a PNG of the rounds), and ends with one JSON line."""
 from __future__ import annotations
 

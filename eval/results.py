@@ -39,7 +39,7 @@ LABELS = {"bf16": "BF16", "int8": "INT8", "int4": "INT4 (KIVI-4)", "kivi2": "KIV
 DEMO = {"bf16": "BF16", "int8": "INT8", "int4": "INT4 (KIVI-4)", "kivi2": "KIVI-2", "cachegen": "CacheGen",
         "lynx": "Lynx"}  # demo row names; the anchor alone is never a decode node's answer (Lynx drafts on it)
 METRIC = str(Path(__file__).resolve().parent / "metrics" / "accuracy_ci")
-DEMO_ROUNDS = 3  # the demo's figures: medians of paired rounds (eval/floors.py), never one run
+DEMO_ROUNDS = 3  # the demo's figures: medians of paired rounds (lynx_hf/floors.py), never one run
 
 
 def _bits(kv, mode: str, lynx_config) -> float:

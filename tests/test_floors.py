@@ -1,4 +1,4 @@
-"""The floors' arithmetic (eval/floors.py) on scripted timelines, and the rounds' medians and paired ratios."""
+"""The floors' arithmetic (lynx_hf/floors.py) on scripted timelines, and the rounds' medians and paired ratios."""
 import pytest
 
 from lynx_hf.eval.floors import floors, paired, passes, rotated, spread, step_s

@@ -143,7 +143,7 @@ def over_rounds(rounds: list[dict]) -> tuple[dict, dict, dict]:
     each FIGURE the median over the rounds and every count their sum (`methods`, summary's names); each figure's
     {median, min, max} (`spread`); per RATIOS pair and latency figure the spread of the per-round paired ratios
     (`ratios`, named e.g. `tt32t_p90_lynx_ref`)."""
-    from ..eval.floors import paired, spread
+    from ..floors import paired, spread
 
     arms = list(rounds[0])
     sp = {k: {f: spread([r[k][f] for r in rounds]) for f in FIGURES} for k in arms}
@@ -268,7 +268,7 @@ async def bench(a, reqs: list, arrivals: list, engines: tuple, warm: list, say) 
     from aiohttp import web
     from tqdm import tqdm
 
-    from ..eval.floors import rotated
+    from ..floors import rotated
     from .proxy import Proxy, app
 
     n32, runners, url = min(32, a.new_tokens), [], {}
@@ -374,7 +374,7 @@ def main(argv=None) -> int:
 
     from .demo import default_prompt_text
 
-    from ..eval.floors import spread as spread_of
+    from ..floors import spread as spread_of
 
     ap, a = _args(argv)
     say = (lambda *x: print(*x, file=sys.stderr, flush=True)) if a.json else (lambda *x: print(*x, flush=True))

@@ -19,7 +19,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from ..eval.floors import median_step, paired, passes, rotated, spread
+from ..floors import median_step, paired, passes, rotated, spread
 
 METHODS = {"BF16": "bf16", "INT8": "int8", "INT4 (KIVI-4)": "kivi4", "Lynx": "lynx"}
 
@@ -97,7 +97,7 @@ def step_s(r) -> float | None:
 
 
 def floors(r, n: int, step: float | None, lynx: bool) -> dict:
-    """eval/floors.py's formulas on vLLM's events: TTFT = the prefill engine's token as it reached the client (the
+    """lynx_hf/floors.py's formulas on vLLM's events: TTFT = the prefill engine's token as it reached the client (the
     event is the token itself: measured and floor coincide); decode start ≥ (Lynx: the last anchor, the shadow's
     first token; a baseline: its whole KV) + one step; TTnT ≥ the last segment + R's verify passes as measured (each
     from the pass before it, or from the last segment) + one step per one-token pass still owed."""
