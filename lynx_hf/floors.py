@@ -109,6 +109,20 @@ def paired(rounds: list[dict], num: str, den: str, figure: str) -> dict | None:
                    if r[num].get(figure) is not None and r[den].get(figure)])
 
 
+def line(points, min_spread: float = 0.0) -> tuple[float, float, float] | None:
+    """The least-squares line through (x, y) points as (slope, mean x, mean y): y ≈ ȳ + slope·(x − x̄); None when
+    Σ(x − x̄)² < min_spread or is 0 (the x too alike to tell a slope). The step models' fit (vllm/pricing.py,
+    engine/drafters.py)."""
+    pts = list(points)
+    if not pts:
+        return None
+    mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    if sxx <= 0 or sxx < min_spread:
+        return None
+    return sum((x - mx) * (y - my) for x, y in pts) / sxx, mx, my
+
+
 def rotated(plan: list, round_index: int) -> list:
     """The plan in round `round_index`'s order: rotated by one each round, so every method runs in every slot."""
     k = round_index % len(plan) if plan else 0

@@ -126,3 +126,12 @@ def test_the_session_benchs_rounds_judge_the_last_turn_and_every_turns_identity(
     assert out["ratios"]["lynx_int8_delta_decode_start"]["median"] == pytest.approx(3.0 / 8.0)
     assert out["at_floor"]["lynx_delta_decode_start"] == pytest.approx(3.0 / 2.9)  # d = 1.5: 3.0 over 2.7 + 0.2
     assert out["floor"]["lynx_int8_delta_decode_start"] == pytest.approx(2.9 / 7.2)
+
+
+def test_line_is_the_least_squares_fit_and_refuses_x_too_alike():
+    from lynx_hf.floors import line
+
+    slope, mx, my = line([(1, 0.084), (8, 0.112), (16, 0.144), (8, 0.112)])  # y = 0.08 + 0.004 x
+    assert slope == pytest.approx(0.004) and my - slope * mx == pytest.approx(0.08)
+    assert line([]) is None and line([(4, 1.0), (4, 2.0)]) is None  # one x: no slope
+    assert line([(1, 1.0), (2, 2.0)], min_spread=2) is None and line([(1, 1.0), (2, 2.0)], 0.5)[0] == 1.0

@@ -19,6 +19,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from ..floors import line
 from ..spec import verify_chain
 from ..tree import Tree, best_subtree, restrict, walk_tree
 from .state import DecodeState
@@ -160,12 +161,10 @@ class TreeDrafter(Drafter):
         n): a node adds c to the verify pass and, kept, saves a plain step of a + c, so it pays iff its path's
         probability p > c / (a + c). `verify_min_prob`'s floor without `price_verify` or until two frontier sizes
         were timed."""
-        ms = {m for m, _ in self.costs}
-        if not self.spec.price_verify or len(ms) < 2:
+        fit = line(self.costs) if self.spec.price_verify else None
+        if fit is None:
             return self.floor
-        k = len(self.costs)
-        mm, mt = sum(m for m, _ in self.costs) / k, sum(t for _, t in self.costs) / k
-        c = sum((m - mm) * (t - mt) for m, t in self.costs) / sum((m - mm) ** 2 for m, _ in self.costs)
+        c, mm, mt = fit
         a = mt - c * mm
         if c <= 0 or a + c <= 0:
             return self.floor

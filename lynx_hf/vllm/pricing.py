@@ -27,6 +27,8 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
+from ..floors import line
+
 WINDOW = 256            # steps in the step model
 HISTORY = 32            # transfers in the expected ledger
 MIN_STEPS = 16          # below this many steps (or without spread in n) b is not identified: shadows admitted
@@ -48,7 +50,8 @@ PRIOR = Ledger(shadow_tokens=62.0, drafted=31.0, accepted=27.0, overlap=16.0)  #
 
 
 class Pricing:
-    """`step(t, tokens)` each scheduler step; `ended(ledger)` each transfer with shadows; `admit(others)`."""
+    """`step(t, tokens)` each scheduler step; `ended(ledger, greedy)` each transfer with shadows;
+    `admit(others, tokens, greedy)` once per transfer."""
 
     def __init__(self, window: int = WINDOW, history: int = HISTORY):
         self._steps: collections.deque = collections.deque(maxlen=window)  # (tokens, seconds)
@@ -68,15 +71,12 @@ class Pricing:
 
     def model(self) -> tuple[float, float] | None:
         """(a, b) of T(n) = a + b·n from the recent steps (a, b >= 0), or None while b is not identified."""
-        if len(self._steps) < MIN_STEPS:
+        # (n spread less than a token a step: a and b not apart)
+        fit = line(self._steps, len(self._steps)) if len(self._steps) >= MIN_STEPS else None
+        if fit is None:
             return None
-        n = [x for x, _ in self._steps]
-        s = [y for _, y in self._steps]
-        mn, ms = sum(n) / len(n), sum(s) / len(s)
-        var = sum((x - mn) ** 2 for x in n)
-        if var < len(n):  # (n spread less than a token: a and b not apart)
-            return None
-        b = max(0.0, sum((x - mn) * (y - ms) for x, y in zip(n, s)) / var)
+        slope, mn, ms = fit
+        b = max(0.0, slope)
         a = ms - b * mn
         return (a, b) if a >= 0 else (0.0, ms / mn)
 
