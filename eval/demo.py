@@ -27,6 +27,7 @@ import lynx_hf
 
 # prefill_child and default_prompt_text are the harness's (tests take them from here too)
 from lynx_hf import LynxQuantConfig
+from lynx_hf.config import AUTO
 
 from .floors import floors, paired, rotated, spread, step_s
 from .harness import METHODS, default_prompt_text, final_line, prefill_child, printer, pyplot, save_figure, save_plot
@@ -101,7 +102,7 @@ def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_jso
         anchor_bits=4, repeat=1):
     """methods: {row name: LynxQuantConfig} (default METHODS and "Lynx (exact)"; it must hold "BF16", "INT8",
     "INT4 (KIVI-4)", "Lynx"). anchor_bits: the default rows' Lynx anchor width. repeat: rounds, each running every
-    method once in an order rotated per round (the full-tier reference last: it decodes the Lynx row's width);
+    method once in an order rotated per round (the full-tier reference among them: it decodes the Lynx row's width);
     figures are medians with [min, max], ratios medians of the per-round paired ratios, beside their floors."""
     if not isinstance(repeat, int) or repeat < 1:
         raise ValueError(f"repeat must be an int >= 1, got {repeat!r}")
@@ -129,9 +130,13 @@ def run(prompt_file=None, tokens=1024, bandwidth_bps=15e6, new_tokens=32, as_jso
 
 
 def _round(cli, methods: dict, ids, new_tokens: int, gen: dict, r: int) -> dict:
-    """One round: every method once, in round r's order, then the full-tier reference of the Lynx row."""
-    runs = {}
-    for name in rotated(list(methods), r) + [REF]:
+    """One round: every method and the full-tier reference of the Lynx row once, in round r's order (with an anchor
+    width chosen per request, the reference right after the Lynx row: it decodes the width that row took)."""
+    runs, auto = {}, methods["Lynx"].anchor_bits == AUTO
+    order = rotated(list(methods) + ([] if auto else [REF]), r)
+    if auto:
+        order.insert(order.index("Lynx") + 1, REF)
+    for name in order:
         cfg = runs["Lynx"]["cache"].quant_config if name == REF else methods[name]  # the width the Lynx row took
         torch.manual_seed(0)
         runs[name] = cli.generate(ids, cfg, max_new_tokens=new_tokens, speculative=name != REF, **gen)

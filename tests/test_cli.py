@@ -39,7 +39,8 @@ def test_demo_two_processes(tmp_path):
              "--repeat", "2")
     assert r["lynx"]["identical_to_full"] is True and r["rounds"] == 2 and r["identical"] == [True, True]
     rounds = json.loads((tmp_path / "demo.json").read_text())["per_round"]
-    assert [x["order"][0] for x in rounds] == ["BF16", "INT8"]  # rotated: each round starts one method later
+    assert [x["order"][0] for x in rounds] == ["BF16", "INT8"]  # rotated: each round starts one method later,
+    assert [x["order"][-1] for x in rounds] == ["lynx-nodraft", "BF16"]  # the no-draft reference among them
     for k, (a, b, f) in {"ttft_lynx_int4": ("Lynx", "INT4 (KIVI-4)", "ttft_s"),
                          "tt32t_lynx_int8": ("Lynx", "INT8", "tt32t_s"),
                          "decode_start_lynx_int8": ("Lynx", "INT8", "decode_start_s"),

@@ -138,3 +138,26 @@ def test_before_the_logits_a_layer_is_encoded_only_while_the_link_needs_it(tiny,
     first = calls.index("pack_logits")
     assert calls[:first] == ["encode"] * 2 * 3  # layer 0: K/V × 3 segments; layer 1 waited for the logits
     assert calls[first + 1:first + 1 + 2 * 3] == ["encode"] * 2 * 3
+
+
+def test_before_the_logits_encoding_takes_no_more_than_its_budget(tiny, monkeypatch, want):
+    """A codec dearer than its link's pace (CacheGen's coder on a CPU) must not slow the forward pass: with no
+    encoding budget (ENCODE_SHARE 0) and a link that is never fed, only layer 0 is encoded before FIRST is built
+    (one layer at least), the rest after it. Same tokens."""
+    from lynx_hf.transfer import prefill as P
+
+    calls = []
+    monkeypatch.setattr(P, "ENCODE_SHARE", 0.0)
+    monkeypatch.setattr(P, "LEAD_S", 1e9)
+    for name in ("encode", "pack_logits"):
+        real = getattr(P, name)
+        monkeypatch.setattr(P, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    srv = S.PrefillServer(tiny, secret=SECRET, bandwidth_bps=LINK_BPS).start()
+    try:
+        got = _over(DecodeClient(tiny, *srv.address, secret=SECRET))
+    finally:
+        srv.close()
+    assert got["tokens"] == want
+    first = calls.index("pack_logits")
+    assert calls[:first] == ["encode"] * 2 * 3  # layer 0: K/V × 3 segments; layer 1 waited for the logits
+    assert calls[first + 1:first + 1 + 2 * 3] == ["encode"] * 2 * 3

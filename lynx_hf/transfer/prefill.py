@@ -15,7 +15,7 @@ layer's window keeps (all of them, or a sliding window's last W) are encoded and
 logits (FIRST) go ahead of every segment frame still queued (behind only the frame on the wire): the decode side
 picks the first token from them with its own generation options while the KV it does not need yet streams on. So
 that the forward pass is the first token's only wait, a compute turn encodes a layer's KV only while the link needs
-it (`LEAD_S`); the rest is encoded after FIRST, at the link's pace.
+it (`LEAD_S`) and within a budget (`ENCODE_SHARE`); the rest is encoded after FIRST, at the link's pace.
 
 One forward pass runs at a time (`ComputeQueue`), shortest remaining prompt first: a long prompt prefills one
 *prefill step* (`step` tokens) per turn and queues again, so a short request waits for one step, not for a whole
@@ -58,6 +58,9 @@ PROGRESS_S = 5.0     # a waiting request's client hears a PROGRESS frame at leas
 LEAD_S = 0.25        # before the logits leave, encode a layer only while its connection has less of the anchor's
 #                      priority queued than the link sends in this long: the link stays fed, and the forward (the
 #                      first token's) is not slowed by encoding that the link could not carry before it ends anyway
+ENCODE_SHARE = 0.03  # ... and while that encoding has taken at most this share of the time since the prefill began
+#                      (one layer at least): a codec dearer than its link's pace (CacheGen's entropy coder on a CPU)
+#                      waits for FIRST rather than delay it
 
 
 class Cancelled(Exception):
@@ -410,16 +413,18 @@ class _Segmenter:
 
     Frames are queued (`_Prefill.send_layer`) as the layers produce their KV while the connection's in-flight frames
     have room. Before the logits leave (`defer`: the cached prefix's copy into the capture and every compute turn)
-    nothing waits, and nothing is encoded that the link does not need yet (`LEAD_S`): a layer whose frames find no
-    room, or a link already fed, keeps its positions pending — as a range of the capture's own KV (a sliding-window
-    layer: its passes, within its window) — and `flush()`, after FIRST, queues them as the peer reads, so a client
-    that stops reading stalls only its own request."""
+    nothing waits, and nothing is encoded that the link does not need yet (`LEAD_S`) or that would cost the forward
+    more than `ENCODE_SHARE` of its time: a layer whose frames find no room, a link already fed, or a spent budget
+    keeps its positions pending — as a range of the capture's own KV (a sliding-window layer: its passes, within its
+    window) — and `flush()`, after FIRST, queues them as the peer reads, so a client that stops reading stalls only
+    its own request."""
 
     def __init__(self, request: _Prefill):
         self.r, self.P, self.segment = request, request.prompt_len, SEGMENT_TOKENS
         self.cap: PromptCapture | None = None  # set once the capture exists (span reads its KV)
         self.pending: dict[int, list] = {}  # layer -> [first unsent position, end seen, [(k, v)] of a sliding layer]
         self.defer = False
+        self.began, self.spent = time.perf_counter(), 0.0  # the encoding `feed` did, in seconds
 
     def __call__(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         p = self.pending.setdefault(layer, [start, start, []])
@@ -432,18 +437,22 @@ class _Segmenter:
             self._send(layer, wait=True)
 
     def _fed(self) -> bool:
-        """No room for more frames, or more of the anchor's priority queued than a paced link sends in LEAD_S (a
-        residual frame queued does not count: the anchors of the layers still to come go before it)."""
+        """No room for more frames, more of the anchor's priority queued than a paced link sends in LEAD_S (a
+        residual frame queued does not count: the anchors of the layers still to come go before it), or the encoding
+        budget spent."""
         t = self.r.ch.t
         bps = getattr(t.link.nic, "bps", None)
-        return not t.has_room() or (bps is not None and t.urgent * 8 > bps * LEAD_S)
+        over = self.spent > ENCODE_SHARE * (time.perf_counter() - self.began)
+        return over or not t.has_room() or (bps is not None and t.urgent * 8 > bps * LEAD_S)
 
     def feed(self) -> None:
         """Queue pending layers, in order, while the link needs them (never waiting: inside or between turns)."""
         for layer in list(self.pending):
             if self._fed():
                 return
+            t = time.perf_counter()
             self._send(layer, wait=False)
+            self.spent += time.perf_counter() - t
 
     def flush(self) -> None:
         """Queue every pending layer's frames, waiting for room (outside a compute turn)."""
