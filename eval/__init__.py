@@ -16,5 +16,5 @@ Uses lynx_hf's public API — the names in `lynx_hf.__all__` (the `quant` module
 hides, internals: each such import says which and why (`# internal: ...`). They are: `lynx_hf.local.prefill`,
 `lynx_hf.model` (the embedded model's name and tokenizer), `lynx_hf.hub_folder`, `lynx_hf.quant`'s and
 `lynx_hf.kernels`' implementation modules, `lynx_hf.config.AXES`, `lynx_hf.arch`, `lynx_hf.transfer`'s wire, auth,
-transport, prefill and server modules and `decode.DTYPES`, and the command line's parts (`lynx_hf.cli`,
-`lynx_hf.flags`, `lynx_hf.transfer.commands`)."""
+transport, prefill and server modules and `decode.DTYPES`, and the command line's parts
+(`lynx_hf.flags`, `lynx_hf.transfer.commands`)."""

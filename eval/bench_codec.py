@@ -98,7 +98,7 @@ def run(tokens: int = HEADLINE_TOKENS, as_json: bool = False, device: str = "cpu
 def register(bench) -> None:
     """`lynx-hf bench codec` and its flags (`bench`: the subcommands of `lynx-hf bench`)."""
     # internal: the command line's own parts (its subcommand helper and help texts, the numeric validators)
-    from lynx_hf.cli import JSON_HELP, subcommand
+    from lynx_hf.flags import JSON_HELP, subcommand
     from lynx_hf.flags import count, megabytes, tokens
 
     p = subcommand(bench, "codec", "encode / dequantize throughput of each implementation next to copy_ bandwidth")

@@ -99,7 +99,7 @@ def run(tokens: int = 1024, model_name: str | None = None, dtypes=DTYPES, as_jso
 def register(bench) -> None:
     """`lynx-hf bench exact` (`bench`: the subcommands of `lynx-hf bench`)."""
     # internal: the command line's own parts (its subcommand helper and help texts)
-    from lynx_hf.cli import JSON_HELP, subcommand
+    from lynx_hf.flags import JSON_HELP, subcommand
     from lynx_hf.flags import tokens
     from lynx_hf.transfer.commands import MODEL_HELP
 

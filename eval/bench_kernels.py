@@ -250,7 +250,7 @@ def run(as_json: bool = False) -> dict:
 def register(bench) -> None:
     """`lynx-hf bench kernels --gpu-compile` (`bench`: the subcommands of `lynx-hf bench`)."""
     # internal: the command line's own parts (its subcommand helper and help texts)
-    from lynx_hf.cli import JSON_HELP, subcommand
+    from lynx_hf.flags import JSON_HELP, subcommand
 
     p = subcommand(bench, "kernels", "every Triton launch compiled for sm_80 and sm_90 here (--gpu-compile): "
                                      "registers, spills, bytes moved")

@@ -139,7 +139,7 @@ def register(bench) -> None:
     small server's, whose bounds a 6K-token miss and 4 stalled clients reach; the server's own defaults with an 8K
     prompt: --tokens 8000 --prefix-cache-mb 512 --max-inflight-mb 128 --slots 4."""
     # internal: the command line's own parts (its subcommand helper and help texts, the numeric validators)
-    from lynx_hf.cli import JSON_HELP, MODEL_HELP, subcommand
+    from lynx_hf.flags import JSON_HELP, MODEL_HELP, subcommand
     from lynx_hf.flags import count, megabytes, seconds, tokens
 
     p = subcommand(bench, "server-memory", "a serve-prefill's VmRSS after a 6K-token miss, with 4 clients that "
@@ -162,9 +162,12 @@ def _command(a) -> None:
 
 def main(argv=None):
     """`python -m lynx_hf.eval.bench_server_memory [--tokens 6000 ...]`: `lynx-hf bench server-memory` itself."""
-    from lynx_hf.cli import main as cli
+    import argparse
 
-    return cli(["bench", "server-memory", *(sys.argv[1:] if argv is None else argv)])
+    sub = argparse.ArgumentParser(prog="python -m lynx_hf.eval.bench_server_memory").add_subparsers()
+    register(sub)
+    a = sub.choices["server-memory"].parse_args(sys.argv[1:] if argv is None else argv)
+    return a.fn(a)
 
 
 if __name__ == "__main__":

@@ -398,7 +398,7 @@ def plot(arms: dict, path: Path, bandwidth_mbps: float) -> None:
 def register(bench) -> None:
     """`lynx-hf bench session` and its flags (`bench`: the subcommands of `lynx-hf bench`)."""
     # internal: the command line's own parts (its subcommand helper and help texts, the numeric validators)
-    from lynx_hf.cli import JSON_HELP, MODEL_HELP, PORT_HELP, subcommand
+    from lynx_hf.flags import JSON_HELP, MODEL_HELP, PORT_HELP, subcommand
     from lynx_hf.flags import count, mbps, tokens
 
     p = subcommand(bench, "session", "an agent conversation over the two-process path: each turn's new KV (delta) "

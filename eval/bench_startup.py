@@ -59,7 +59,7 @@ def run(as_json: bool = False) -> dict:
 def register(bench) -> None:
     """`lynx-hf bench startup` (`bench`: the subcommands of `lynx-hf bench`)."""
     # internal: the command line's own parts (its subcommand helper and help texts)
-    from lynx_hf.cli import JSON_HELP, subcommand
+    from lynx_hf.flags import JSON_HELP, subcommand
 
     p = subcommand(bench, "startup", "`lynx-hf --help` and the default model's load, each in a fresh process")
     p.add_argument("--json", action="store_true", help=JSON_HELP)

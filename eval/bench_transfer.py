@@ -272,7 +272,7 @@ def _summary(done: dict, rows: list[dict], results: Path, say) -> dict:
 def register(bench) -> None:
     """`lynx-hf bench transfer` and its flags (`bench`: the subcommands of `lynx-hf bench`)."""
     # internal: the command line's own parts (its subcommand helper and help texts, the numeric validators)
-    from lynx_hf.cli import JSON_HELP, MODEL_HELP, NIXL_EXTRA, subcommand
+    from lynx_hf.flags import JSON_HELP, MODEL_HELP, NIXL_EXTRA, subcommand
     from lynx_hf.flags import mbps, tokens
 
     p = subcommand(bench, "transfer", "TTFT / TT32T over the two-process path per link speed, context and prompt")

@@ -10,18 +10,8 @@ import argparse
 import os
 import sys
 
-from lynx_hf.transfer.commands import ANCHOR_BITS_HELP, DTYPE_HELP, DTYPES, MODEL_HELP, HelpFormatter
-
-JSON_HELP = "print only the final JSON line"
-NIXL_EXTRA = "pip install 'lynx-hf[nixl]'"
-
-
-PORT_HELP = "the prefill process's loopback port (default: a free one)"
-
-def subcommand(sub, name: str, text: str) -> argparse.ArgumentParser:
-    """A subcommand whose --help shows `text` and every option's default."""
-    return sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".",
-                          formatter_class=HelpFormatter)
+from lynx_hf.flags import (ANCHOR_BITS_HELP, DTYPE_HELP, DTYPES, JSON_HELP, MODEL_HELP, NIXL_EXTRA,  # noqa: F401
+                           PORT_HELP, HelpFormatter, subcommand)  # (JSON_HELP ... subcommand: re-exported)
 
 
 def _add_eval(sub) -> None:

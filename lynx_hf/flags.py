@@ -1,5 +1,7 @@
-"""`number`: the one validator of every numeric command-line flag (argparse `type=`): finite, inside a stated range,
-checked when the arguments are parsed — before any model loads — and refused in one line naming the flag."""
+"""The command line's shared parts: `number`, the one validator of every numeric flag (argparse `type=`: finite,
+inside a stated range, checked when the arguments are parsed — before any model loads — and refused in one line
+naming the flag); the help texts several commands share; `subcommand` and its `HelpFormatter`. Every command's module
+takes them from here (none imports lynx_hf.cli, which only registers the commands)."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +16,33 @@ MAX_TOKENS = 1 << 20
 PREFIX_CACHE_MB = 512.0      # full-precision KV kept for later turns (SmolLM2-135M in fp32: 46 KB a token)
 MAX_INFLIGHT_MB = 128.0      # a connection's frames queued and not yet read
 MAX_CONCURRENT_PREFILLS = 4  # requests holding a prompt's working set at once
+
+
+MODEL_HELP = "Hub id or local path (default: embedded SmolLM2-135M-Instruct)"
+DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_HELP = "the model's dtype, so its KV's (both processes must run the same one)"
+ANCHOR_BITS_HELP = ("the Lynx anchor's width in bits (2, 3, 4 or auto; default 4): the first stream carries the 8-bit "
+                    "code's top bits, the residual the rest, so a narrower anchor lands sooner and drafts on coarser "
+                    "KV; auto: chosen per request from the link's rate, the prompt and the drafts each width keeps")
+JSON_HELP = "print only the final JSON line"
+NIXL_EXTRA = "pip install 'lynx-hf[nixl]'"
+PORT_HELP = "the prefill process's loopback port (default: a free one)"
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default, unless its help states one or there is none to state."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        if "default" in h or action.default in (None, False, argparse.SUPPRESS):
+            return h
+        return super()._get_help_string(action)
+
+
+def subcommand(sub, name: str, text: str) -> argparse.ArgumentParser:
+    """A subcommand whose --help shows `text` and every option's default."""
+    return sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".",
+                          formatter_class=HelpFormatter)
 
 
 def machine_mb() -> float:

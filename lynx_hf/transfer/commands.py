@@ -8,28 +8,14 @@ import logging
 import socket
 import sys
 
+from ..flags import ANCHOR_BITS_HELP, DTYPE_HELP, DTYPES, MODEL_HELP, HelpFormatter  # noqa: F401 — (re-exported)
+
 SECRET_HELP = ("shared secret; visible to every local user in the process list: prefer --secret-file or "
                "$LYNX_SECRET")
 SECRET_FILE_HELP = "read the shared secret from this file's first line (or set $LYNX_SECRET); one of them is required"
-MODEL_HELP = "Hub id or local path (default: embedded SmolLM2-135M-Instruct)"
-DTYPES = ("float32", "bfloat16", "float16")
-DTYPE_HELP = "the model's dtype, so its KV's (both processes must run the same one)"
 EXACT_HELP = ("exact mode (Lynx codec only): a third stream makes the full tier the model's KV bit for bit, so the "
               "output equals plain generate in this dtype (default: equal to decoding the 8-bit full tier)")
-ANCHOR_BITS_HELP = ("the Lynx anchor's width in bits (2, 3, 4 or auto; default 4): the first stream carries the 8-bit "
-                    "code's top bits, the residual the rest, so a narrower anchor lands sooner and drafts on coarser "
-                    "KV; auto: chosen per request from the link's rate, the prompt and the drafts each width keeps")
 NIXL_HELP = "pip install 'lynx-hf[nixl]'; UCX_TLS / UCX_NET_DEVICES choose its transports and interfaces"
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Every option's default, unless its help states one or there is none to state."""
-
-    def _get_help_string(self, action):
-        h = action.help or ""
-        if "default" in h or action.default in (None, False, argparse.SUPPRESS):
-            return h
-        return super()._get_help_string(action)
 
 
 class Renamed(argparse.Action):

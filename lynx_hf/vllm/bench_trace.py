@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from . import trace as tr
-from .bench import (REFERENCE, arm_stats, idle, judge_rows, one, percentile, plot, summary, table)
+from .bench_arms import (REFERENCE, arm_stats, idle, judge_rows, one, percentile, plot, summary, table)
 
 TRACE_MAX_LEN = 2048
 BLOCK = 64  # servers.serve's --block-size
@@ -46,7 +46,7 @@ async def replay(url: str, convs: list, starts: list, engines: tuple, timeout_s:
     import aiohttp
     from tqdm import tqdm
 
-    from .bench import ACCEPTED, DRAFTED, PREEMPTED
+    from .bench_arms import ACCEPTED, DRAFTED, PREEMPTED
 
     before = await idle(engines)
     bar = tqdm(total=sum(map(len, convs)), desc=name, file=sys.stderr, unit="turn")
@@ -114,7 +114,7 @@ async def run(a, engines: tuple, text: list, log_path: Path, say) -> dict:
     from aiohttp import web
     from tqdm import tqdm
 
-    from .bench import ARMS, run_alone, schedule
+    from .bench_arms import ARMS, run_alone, schedule
     from .proxy import Proxy, app
 
     rows = tr.read_trace(a.trace)
