@@ -76,14 +76,23 @@ def _serve_prefill(a):
     from ..errors import ConfigError
 
     from .server import PrefillServer
+    from .settings import ServerSettings
 
     host, port = _hostport(a.listen, a.cmd)
     secret = _secret_or_exit(a, host)
     plane_or_exit(a)
-    if a.tls_key and not a.tls_cert:
-        raise SystemExit("lynx-hf serve-prefill: error: --tls-key without --tls-cert (pass both, or neither for "
-                         "plain TCP)")
     bw = a.bandwidth_mbps  # (every numeric flag was checked by argparse: lynx_hf.flags)
+    try:  # every setting checked before the model loads
+        settings = ServerSettings(
+            host=host, port=port, insecure=a.insecure, max_connections=a.max_connections, tls_cert=a.tls_cert,
+            tls_key=a.tls_key, bandwidth_bps=None if bw is None else bw * 1e6, latency_s=a.latency_ms / 1e3,
+            handshake_timeout=a.handshake_timeout, max_preauth=a.max_preauth,
+            max_preauth_per_host=a.max_preauth_per_host, idle_timeout_s=a.idle_timeout,
+            send_timeout_s=a.send_timeout, prefill_step=a.prefill_step, prefix_cache_mb=a.prefix_cache_mb,
+            data_plane=a.data_plane, max_inflight_mb=a.max_inflight_mb,
+            max_concurrent_prefills=a.max_concurrent_prefills)
+    except ConfigError as e:
+        raise SystemExit(f"lynx-hf serve-prefill: error: {e}")
     try:  # the port first, bound but not yet listening: a port in use is said before the model loads, and a
         # client that connects while the model loads is refused (it retries) rather than left waiting for a HELLO
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -94,14 +103,7 @@ def _serve_prefill(a):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     model, _ = lynx_hf.load_default_model(a.model, dtype=getattr(torch, a.dtype))
     try:
-        srv = PrefillServer(model, host, port, listen_socket=sock, secret=secret, insecure=a.insecure,
-                            max_connections=a.max_connections, tls_cert=a.tls_cert, tls_key=a.tls_key,
-                            bandwidth_bps=None if bw is None else bw * 1e6,
-                            latency_s=a.latency_ms / 1e3, handshake_timeout=a.handshake_timeout,
-                            max_preauth=a.max_preauth, max_preauth_per_host=a.max_preauth_per_host,
-                            idle_timeout_s=a.idle_timeout, send_timeout_s=a.send_timeout, prefill_step=a.prefill_step,
-                            prefix_cache_mb=a.prefix_cache_mb, data_plane=a.data_plane,
-                            max_inflight_mb=a.max_inflight_mb, max_concurrent_prefills=a.max_concurrent_prefills)
+        srv = PrefillServer(model, settings, listen_socket=sock, secret=secret)
     except ConfigError as e:
         raise SystemExit(f"lynx-hf serve-prefill: error: {e}")
     logging.getLogger("lynx_hf.prefill").info("serving on %s:%s", *srv.address)

@@ -20,13 +20,13 @@ from ..cache import LynxCache
 from ..config import LynxQuantConfig, SpecConfig
 from ..engine.warm import warm_up
 from ..errors import ConfigError
-from ..flags import MAX_TIMEOUT_S, seconds
 from ..loader import Loader
 from ..local import extend_here
 from ..session import PLACES, Placement, Session, TurnResult, check_turn, decode_turn
 from ..width import WidthPolicy, kept_width, resolve, step_from_trace, step_times, values_per_position
 from .prefix_cache import token_digest
 from . import nixl
+from .settings import ClientSettings, with_fields
 from .serde import check_correction, check_residual, stream_bound, to_split, unpack_logits, unpack_segment, warm
 from .auth import Channel, PeerError, client_handshake, quote_peer, resolve_secret
 from .transport import TcpTransport, TlsTcpTransport
@@ -161,34 +161,28 @@ class NetworkLoader(Loader):
 class DecodeClient:
     """The decode process's side of one connection to a prefill server."""
 
-    def __init__(self, model, host: str | None = None, port: int | None = None, secret: str | None = None,
-                 timeout_s: float = 30.0, insecure: bool = False, tls: bool = False, tls_ca: str | None = None,
-                 transport=None, model_fingerprint: str | None = None, data_plane: str = "tcp",
-                 prefill_on: str = "prefill", link_bps: float | None = None):
-        """tls / tls_ca: speak TLS, trusting the system's CAs or the PEM file `tls_ca` (a private CA or a
-        self-signed server certificate); the server's certificate must name `host`. transport: an open Transport
-        instead of host/port (e.g. a DistTransport to the prefill rank, whose side runs `server_handshake` and
-        `serve_channel`). model_fingerprint: `arch.fingerprint(model)` if the caller has it (a process that
-        reconnects computes it once). data_plane: "tcp" (the channel carries the segments) or "nixl" (NIXL writes
-        them into this process's memory: `pip install 'lynx-hf[nixl]'`, a server started with --data-plane nixl).
-        prefill_on: where a continued turn's new positions are computed — "prefill" (the prefill server), "decode"
-        (here, in full precision: nothing crosses the link) or "auto" (`session.Placement`: the faster by rates
-        measured on this connection); a turn may override it. link_bps: the link's rate (bits/s) if known, for
-        `anchor_bits="auto"` (`self.width`, lynx_hf.width: without it, measured by Lynx requests of 256 positions
-        or more; until then "auto" takes 4 bits). Everything this side must compute happens before it connects, so
-        that the server's handshake deadline measures the network and the peer only."""
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not seconds().ok(timeout_s):
-            raise ConfigError(f"timeout_s must be a finite number of seconds in (0, {MAX_TIMEOUT_S:g}], "
-                              f"got {timeout_s!r}")
+    def __init__(self, model, host: str | None = None, port: int | None = None,
+                 settings: ClientSettings | None = None, *, secret: str | None = None, transport=None,
+                 model_fingerprint: str | None = None, **fields):
+        """settings: a ClientSettings (its fields may also come as keywords, over it or the defaults: timeout_s,
+        insecure, tls, tls_ca, data_plane, prefill_on, link_bps). secret: the shared secret (None: $LYNX_SECRET).
+        transport: an open Transport instead of host/port (e.g. a DistTransport to the prefill rank, whose side runs
+        `server_handshake` and `serve_channel`). model_fingerprint: `arch.fingerprint(model)` if the caller has it
+        (a process that reconnects computes it once). Without `link_bps`, `anchor_bits="auto"` (`self.width`,
+        lynx_hf.width) measures the link by Lynx requests of 256 positions or more; until then it takes 4 bits.
+        Everything this side must compute happens before it connects, so that the server's handshake deadline
+        measures the network and the peer only."""
+        st = self.settings = with_fields(ClientSettings, settings, fields, "DecodeClient")
+        timeout_s, data_plane, tls, tls_ca = st.timeout_s, st.data_plane, st.tls, st.tls_ca
         self.model, self.timeout = model, timeout_s
-        self.placement = Placement(prefill_on)
-        self.width = WidthPolicy(link_bps)
+        self.placement = Placement(st.prefill_on)
+        self.width = WidthPolicy(st.link_bps)
         self.context = max_prompt_tokens(model)
         nixl.check_plane(data_plane)
         self.data_plane = data_plane
         if data_plane == "nixl":
             nixl.agent("decode")  # UCX's set-up before the first request
-        key = resolve_secret(secret, insecure, host if transport is None else None)
+        key = resolve_secret(secret, st.insecure, host if transport is None else None)
         self.fp = model_fingerprint or fingerprint(model)
         self.geometry = kv_geometry(model)  # a PROMPT frame must declare exactly this
         warm_up(model)  # the codec's kernels and every path of a request, before the first one (and the handshake)

@@ -49,11 +49,11 @@ from ..quant import correction, encode
 from .auth import Channel, quote_peer
 from .prefix_cache import PrefixCache, layer_kv, token_digest
 from .serde import pack_logits, pack_segment, stream_bound
+from .settings import PREFILL_STEP
 from .transport import PRIO_ANCHOR, PRIO_CORRECTION, PRIO_END, PRIO_FIRST, PRIO_RESIDUAL
 from .wire import MAX_JSON, SEGMENT_TOKENS, FrameType, PeerClosed, RequestRefused, Stream, WireError
 
 log = logging.getLogger("lynx_hf.prefill")
-PREFILL_STEP = 1024  # tokens of one forward pass of a long prompt (a short request waits for at most one)
 PROGRESS_S = 5.0     # a waiting request's client hears a PROGRESS frame at least this often
 LEAD_S = 0.25        # before the logits leave, encode a layer only while its connection has less of the anchor's
 #                      priority queued than the link sends in this long: the link stays fed, and the forward (the

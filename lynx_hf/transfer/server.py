@@ -32,12 +32,13 @@ import torch
 
 from ..arch import fingerprint, kv_geometry, max_prompt_tokens
 from ..errors import ConfigError
-from ..flags import MAX_CONCURRENT_PREFILLS, MAX_INFLIGHT_MB, MAX_TIMEOUT_S, PREFIX_CACHE_MB, machine_mb
+from ..flags import machine_mb
 from ..link import Nic
 from ..engine.warm import warm_up
-from .prefill import PREFILL_STEP, ComputeQueue, PrefillNode, Slots, release_memory
+from .prefill import ComputeQueue, PrefillNode, Slots, release_memory
 from . import nixl
 from .prefix_cache import PrefixCache
+from .settings import ServerSettings, with_fields
 from .auth import Channel, HandshakeRefused, PeerError, quote_peer, resolve_secret, server_handshake
 from .transport import TcpTransport, TlsTcpTransport
 from .wire import FrameType, WireError
@@ -123,26 +124,6 @@ class _RateLimitedLog:
         log.warning(msg + (f" (and {quiet} more like it)" if quiet else ""), *args)
 
 
-RENAMED = {"prefill_chunk": "prefill_step"}  # PrefillServer keywords renamed in 0.1.0 (one word, one meaning)
-
-
-def _refuse_renamed(kw: dict) -> None:
-    """A TypeError for a keyword PrefillServer does not take, naming the new one when it was renamed."""
-    for name in kw:
-        new = RENAMED.get(name)
-        raise TypeError(f"PrefillServer: {name!r} is now {new!r}" if new else
-                        f"PrefillServer got an unexpected keyword argument {name!r}")
-
-
-def _positive(name: str, x, allow_none: bool = False, allow_zero: bool = False) -> None:
-    if x is None and allow_none:
-        return
-    ok = (isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-          and (x > 0 or allow_zero and x == 0))
-    if not ok:
-        raise ConfigError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {x!r}")
-
-
 class PrefillServer:
     """Accepts decode peers; each connection gets its own thread, transport and sender (so a slow or stalled client
     only ever delays itself), and a port of the server's one emulated NIC (`bandwidth_bps`, `latency_s`: a link
@@ -151,37 +132,17 @@ class PrefillServer:
     go through one `ComputeQueue` (shortest remaining prompt first, a prefill step of `prefill_step` tokens a turn;
     the server's model-side state is one `PrefillNode`, `node`)."""
 
-    def __init__(self, model, host: str = "127.0.0.1", port: int = 0, secret: str | None = None,
-                 bandwidth_bps: float | None = None, latency_s: float = 0.0, handshake_timeout: float = 5.0,
-                 max_connections: int = 32, insecure: bool = False, tls_cert: str | None = None,
-                 tls_key: str | None = None, max_preauth: int = 128, max_preauth_per_host: int = 96,
-                 idle_timeout_s: float = 300.0, send_timeout_s: float = 30.0, prefill_step: int = PREFILL_STEP,
-                 prefix_cache_mb: float = PREFIX_CACHE_MB, listen_socket: socket.socket | None = None,
-                 data_plane: str = "tcp", max_inflight_mb: float = MAX_INFLIGHT_MB,
-                 max_concurrent_prefills: int = MAX_CONCURRENT_PREFILLS, **renamed):
-        _refuse_renamed(renamed)
-        _positive("bandwidth_bps", bandwidth_bps, allow_none=True)
-        _positive("latency_s", latency_s, allow_zero=True)
-        for name, x in (("prefix_cache_mb", prefix_cache_mb), ("max_inflight_mb", max_inflight_mb)):
-            _positive(name, x, allow_zero=name == "prefix_cache_mb")
-            if x > machine_mb():
-                raise ConfigError(f"{name} must be at most this machine's memory ({machine_mb():,.0f} MB), got {x!r}")
-        for name, x in (("handshake_timeout", handshake_timeout), ("idle_timeout_s", idle_timeout_s),
-                        ("send_timeout_s", send_timeout_s)):
-            _positive(name, x)
-            if x > MAX_TIMEOUT_S:
-                raise ConfigError(f"{name} must be at most {MAX_TIMEOUT_S:g} s (one day), got {x!r}")
-        for name, x in (("max_connections", max_connections), ("max_preauth", max_preauth),
-                        ("max_preauth_per_host", max_preauth_per_host), ("prefill_step", prefill_step),
-                        ("max_concurrent_prefills", max_concurrent_prefills)):
-            if not (isinstance(x, int) and not isinstance(x, bool) and x >= 1):
-                raise ConfigError(f"{name} must be an int >= 1, got {x!r}")
+    def __init__(self, model, settings: ServerSettings | None = None, *, secret: str | None = None,
+                 listen_socket: socket.socket | None = None, **fields):
+        """settings: a ServerSettings (its fields may also come as keywords, over it or the defaults); secret: the
+        shared secret (None: $LYNX_SECRET); listen_socket: bound by the caller (serve-prefill binds it before the
+        model loads), else one is bound at the settings' host and port."""
+        st = self.settings = with_fields(ServerSettings, settings, fields, "PrefillServer")
+        host, data_plane, tls_cert, tls_key = st.host, st.data_plane, st.tls_cert, st.tls_key
         nixl.check_plane(data_plane)
         self.nixl = data_plane == "nixl"
         if self.nixl:
             nixl.agent("prefill")  # started now (UCX's set-up), not inside the first request
-        if tls_key and not tls_cert:
-            raise ConfigError("a TLS key without a certificate: pass --tls-cert too (or neither, for plain TCP)")
         self.tls = None
         if tls_cert:  # TLS on top of the frame MACs: confidentiality for links that leave the rack
             self.tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -190,29 +151,25 @@ class PrefillServer:
             except (OSError, ssl.SSLError) as e:
                 raise ConfigError(f"cannot load the TLS certificate {tls_cert}"
                                   f"{'' if tls_key else ' (no --tls-key: the key must be inside it)'}: {e}") from None
-        self.model, self.secret, self.fp = model, resolve_secret(secret, insecure, host), fingerprint(model)
+        self.model, self.secret, self.fp = model, resolve_secret(secret, st.insecure, host), fingerprint(model)
         warm_up(model)  # the codec's kernels and a request's paths now, not inside the first request
-        self.bw, self.latency, self.hs_timeout, self.max_conn = (bandwidth_bps, latency_s, handshake_timeout,
-                                                                 max_connections)
-        self.max_preauth, self.max_preauth_per_host = max_preauth, max_preauth_per_host
-        self.idle_timeout_s, self.send_timeout_s = idle_timeout_s, send_timeout_s
         if listen_socket is not None:  # bound by the caller (serve-prefill, before loading the model): listen now
             listen_socket.listen()
-        self.sock = listen_socket or socket.create_server((host, port), reuse_port=False)
+        self.sock = listen_socket or socket.create_server((host, st.port), reuse_port=False)
         self.address = self.sock.getsockname()[:2]
         self.compute = ComputeQueue()
-        self.nic = Nic(bandwidth_bps, latency_s)  # one link for every connection, shared by deficit round-robin
-        self.prefix = PrefixCache(int(prefix_cache_mb * (1 << 20)),
+        self.nic = Nic(st.bandwidth_bps, st.latency_s)  # one link for every connection, shared by deficit round-robin
+        self.prefix = PrefixCache(int(st.prefix_cache_mb * (1 << 20)),
                                   f"{self.fp}|{next(model.parameters()).dtype}")  # shared by every connection
-        self.slots = Slots(max_concurrent_prefills, prefill_step)  # requests holding a working set at once
-        self.node = PrefillNode(model, prefill_step, self.compute, self.prefix, self.slots, self.fp)
-        self.max_inflight = int(max_inflight_mb * (1 << 20))
+        self.slots = Slots(st.max_concurrent_prefills, st.prefill_step)  # requests holding a working set at once
+        self.node = PrefillNode(model, st.prefill_step, self.compute, self.prefix, self.slots, self.fp)
+        self.max_inflight = int(st.max_inflight_mb * (1 << 20))
         try:
-            self.bounds = memory_bounds(model, prefix_cache_mb, max_inflight_mb, max_connections,
-                                        max_concurrent_prefills, prefill_step, nixl=self.nixl)
+            self.bounds = memory_bounds(model, st.prefix_cache_mb, st.max_inflight_mb, st.max_connections,
+                                        st.max_concurrent_prefills, st.prefill_step, nixl=self.nixl)
         except ValueError as e:  # a layer kind whose KV no transfer can carry
             raise ConfigError(f"this model cannot be served: {e}") from None
-        log.info(describe_bounds(self.bounds, max_concurrent_prefills, max_connections, max_inflight_mb))
+        log.info(describe_bounds(self.bounds, st.max_concurrent_prefills, st.max_connections, st.max_inflight_mb))
         if self.bounds["total"] > machine_mb() * (1 << 20):
             log.warning("these bounds add up to more than this machine's memory (%.0f MB): lower --max-connections, "
                         "--max-inflight-mb, --max-concurrent-prefills or --prefix-cache-mb", machine_mb())
@@ -271,11 +228,11 @@ class PrefillServer:
             self._evict(victim)
 
     def _admit(self, conn: socket.socket, addr) -> None:
-        pend = _Pending(conn, str(addr[0]))
+        pend, st = _Pending(conn, str(addr[0])), self.settings
         with self._lock:
             live = [p for p in self._pending if not p.evicted]
             same = [p for p in live if p.host == pend.host]
-            over = same if len(same) >= self.max_preauth_per_host else live if len(live) >= self.max_preauth else []
+            over = same if len(same) >= st.max_preauth_per_host else live if len(live) >= st.max_preauth else []
             victim = _victim(over)
             self._pending.append(pend)
         if victim is not None:
@@ -289,24 +246,25 @@ class PrefillServer:
         try:
             link = self.nic.port()  # this connection's share of the server's one (emulated) NIC
             conn = pend.sock
-            t = TcpTransport(conn, link, self.send_timeout_s) if self.tls is None else \
-                TlsTcpTransport(conn, self.tls, server_side=True, link=link, timeout=self.hs_timeout,
-                                send_timeout_s=self.send_timeout_s)
+            t = TcpTransport(conn, link, self.settings.send_timeout_s) if self.tls is None else \
+                TlsTcpTransport(conn, self.tls, server_side=True, link=link, timeout=self.settings.handshake_timeout,
+                                send_timeout_s=self.settings.send_timeout_s)
             t.bound_inflight(self.max_inflight)  # a client that does not read stalls its own request, no queue grows
             ch = Channel(t)
-            server_handshake(ch, self.secret, self.fp, max(0.01, pend.since + self.hs_timeout - time.monotonic()),
+            left = pend.since + self.settings.handshake_timeout - time.monotonic()
+            server_handshake(ch, self.secret, self.fp, max(0.01, left),
                              on_hello=lambda: setattr(pend, "spoke", True))
             with self._lock:
                 self._pending.remove(pend)
-                authed = self._conns < self.max_conn
+                authed = self._conns < self.settings.max_connections
                 self._conns += authed
             if not authed:
-                log.warning("refusing %s: %d authenticated connections already", peer, self.max_conn)
+                log.warning("refusing %s: %d authenticated connections already", peer, self.settings.max_connections)
                 ch.send_json(FrameType.ERROR, {"error": "server busy: too many connections"}, wait=False).result(1)
                 return
-            plane = nixl.PrefillPlane(self.send_timeout_s) if self.nixl else None
+            plane = nixl.PrefillPlane(self.settings.send_timeout_s) if self.nixl else None
             try:
-                self.node.serve(ch, peer, self.idle_timeout_s, plane)
+                self.node.serve(ch, peer, self.settings.idle_timeout_s, plane)
             finally:
                 if plane is not None:
                     plane.close()
