@@ -4,7 +4,7 @@ import logging
 import pytest
 
 from lynx_hf.vllm.hooks import PRICED, SchedulerSide
-from lynx_hf.vllm.pricing import EXPLORE, HISTORY, MIN_STEPS, PRIOR, Ledger, Pricing
+from lynx_hf.vllm.pricing import EXPLORE, EXPLORE_OTHERS, HISTORY, MIN_STEPS, PRIOR, Ledger, Pricing
 
 
 def _busy(p: Pricing, a=0.05, b=0.01, steps=64, t0=0.0):
@@ -42,10 +42,11 @@ def test_a_shadow_is_admitted_alone_and_yields_as_the_engine_fills():
     saving, cost = p.price(3, 4, True)
     assert saving == pytest.approx(27 * 0.09) and cost == pytest.approx(3 * 0.01 * 66 + 0.01 * 20)
     assert p.price(3, 40, True)[0] == pytest.approx(27 * 0.45)  # R's steps are the batch's: 40 tokens (drafts) in it
-    for _ in range(40):  # drafts rarely kept lately: only alone
+    for _ in range(40):  # drafts rarely kept lately: not even alone, where they cost R's own steps
         p.ended(Ledger(shadow_tokens=62, drafted=60, accepted=4, overlap=16), True)
-    assert [p.admit(n, n + 1, True) for n in range(3)] == [True, False, False]
-    assert p.state()["refused"] == 4 + 2 and p.state()["expected"]["greedy"]["accepted"] == 4
+    assert p.price(0, 1, True) == pytest.approx((4 * 0.06, 0.01 * (16 + 56)))
+    assert [p.admit(n, n + 1, True) for n in range(3)] == [False, False, False]
+    assert p.state()["refused"] == 4 + 3 and p.state()["expected"]["greedy"]["accepted"] == 4
     assert p.admit(3, 4, False)  # sampled transfers: their own ledger (the prior still)
     for _ in range(40):  # kept well again: back beside a few others
         p.ended(Ledger(shadow_tokens=40, drafted=31, accepted=30, overlap=5), True)
@@ -53,15 +54,17 @@ def test_a_shadow_is_admitted_alone_and_yields_as_the_engine_fills():
     assert p.admit(2, 3, True) and p.admit(6, 7, True) and not p.admit(20, 21, True)
 
 
-def test_one_transfer_in_explore_refused_in_a_row_is_admitted_so_the_ledger_stays_measured():
+def test_one_transfer_in_explore_refused_in_a_row_is_admitted_where_a_wrong_guess_is_cheap():
     p = Pricing()
     _busy(p)
-    for _ in range(HISTORY):  # sampled shadows (a seed of their own) kept nothing: never worth it ...
+    for _ in range(HISTORY):  # sampled shadows (a seed of their own) kept nothing: never worth it, alone too ...
         p.ended(Ledger(shadow_tokens=62, drafted=60, accepted=0, overlap=16), False)
-    verdicts = [p.admit(5, 6, False) for _ in range(3 * EXPLORE)]
-    assert verdicts == ([False] * (EXPLORE - 1) + [True]) * 3  # ... but measured again every EXPLORE-th transfer
-    assert p.state()["explored"] == 3 and p.admit(0, 0, False)  # alone: always
-    assert p.admit(2, 3, True)  # greedy transfers priced by their own ledger (the prior)
+    assert [p.admit(5, 6, False) for _ in range(3 * EXPLORE)] == [False] * 3 * EXPLORE  # ... not explored under load
+    verdicts = [p.admit(n % (EXPLORE_OTHERS + 1), 2, False) for n in range(3 * EXPLORE)]
+    assert verdicts == ([True] + [False] * (EXPLORE - 1)) * 3  # ... but measured again every EXPLORE-th where cheap
+    saving, cost = p.price(0, 1, False)
+    assert p.state()["explored"] == 3 and saving == 0 < cost  # alone, not worth it: refused but for exploring
+    assert p.admit(2, 3, True) and p.admit(0, 1, True)  # greedy transfers priced by their own ledger (the prior)
 
 
 def _live(s, ids, xfer):

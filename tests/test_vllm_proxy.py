@@ -34,9 +34,15 @@ def _decode(seen: list) -> web.Application:
     async def completions(request):
         body = await request.json()
         seen.append(body)
+        tier = ((body.get("kv_transfer_params") or {}).get("lynx") or {}).get("tier")
+        body["_peer"] = request.transport.get_extra_info("peername")[1]  # (the proxy's end of the connection)
+        if tier == "anchor":  # a shadow, priced out: vLLM fails it
+            return web.json_response({"error": {"message": "priced out"}}, status=500)
         if not body.get("stream"):
             return web.json_response({"choices": [{"text": " B C", "finish_reason": "length"}],
                                       "usage": {"prompt_tokens": 13, "completion_tokens": 2}})
+        if tier == "full":
+            await asyncio.sleep(0.05)  # (its shadows, sent beside it, arrive first)
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
         for text, fin in ((" B", None), (" C D", "length")):  # (a spec-decoding step: two tokens in one chunk)
@@ -66,14 +72,14 @@ async def _events(resp) -> list:
             if line.startswith("data: ") and line != "data: [DONE]"]
 
 
-def _run(check):
+def _run(check, method: str = "int8"):
     async def go():
         seen = []
         runners = []
         for a in (_prefill(), _decode(seen)):
             r, url = await _serve(a)
             runners.append((r, url))
-        px = Proxy(runners[0][1], runners[1][1], "127.0.0.1", 7411, method="int8")
+        px = Proxy(runners[0][1], runners[1][1], "127.0.0.1", 7411, method=method)
         pr, purl = await _serve(app(px))
         try:
             async with ClientSession() as http:
@@ -117,3 +123,21 @@ def test_tokenize_and_the_model_list_come_from_the_prefill_instance():
             assert r.status == 400 and "stream_options" in await r.text()
 
     _run(check)
+
+
+def test_a_real_request_never_gets_a_connection_a_shadow_used():
+    """A shadow ends by a failed answer (priced out) or by being cancelled mid-answer; a real request handed the
+    connection such an end left behind would fail ("Server disconnected"). The shadows' connections are their own."""
+    async def check(http, url, seen):
+        for _ in range(4):
+            async with http.post(f"{url}/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 4,
+                                                                "stream": True}) as r:
+                assert "".join(e["choices"][0]["text"] for e in await _events(r)) == " A B C D"
+            await asyncio.sleep(0.05)  # (the shadows answered)
+        tiers = [b["kv_transfer_params"]["lynx"]["tier"] for b in seen]
+        assert tiers.count("anchor") == 8 and tiers.count("full") == 4
+        shadow = {b["_peer"] for b in seen if b["kv_transfer_params"]["lynx"]["tier"] == "anchor"}
+        real = {b["_peer"] for b in seen if b["kv_transfer_params"]["lynx"]["tier"] == "full"}
+        assert not shadow & real and len(real) == 1  # the real requests' pooled connection, reused
+
+    _run(check, method="lynx")

@@ -21,7 +21,7 @@ import json
 import secrets
 import time
 
-from aiohttp import ClientSession, ClientTimeout, web
+from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 
 from .fixes import topk_only_broken, topk_only_refusal
 from .hooks import full_salt
@@ -55,6 +55,7 @@ class Proxy:
         self.kv_host, self.kv_port, self.method, self.budget = kv_host, kv_port, method, draft_budget
         self.timeout = ClientTimeout(total=timeout_s)
         self.http: ClientSession | None = None
+        self.shadow_http: ClientSession | None = None  # the shadows' own: see `app`
         self.topk_broken = False  # vLLM's top-k-only defect here (fixes.py), probed when the app starts
 
     async def _post(self, url: str, body: dict) -> dict:
@@ -92,7 +93,7 @@ class Proxy:
 
     async def _shadow(self, body: dict) -> None:
         try:
-            async with self.http.post(f"{self.decode}/v1/completions", json=body) as r:
+            async with self.shadow_http.post(f"{self.decode}/v1/completions", json=body) as r:
                 await r.read()  # drafts only: never forwarded
         except (asyncio.CancelledError, Exception):  # noqa: BLE001 — closing it aborts it on the decode side
             pass
@@ -240,10 +241,15 @@ def _whole(chat: bool, model, text: str, finish, prompt_tokens: int, completion_
 def app(proxy: Proxy) -> web.Application:
     async def start(_):
         proxy.http = ClientSession(timeout=proxy.timeout)
+        # A shadow's connection is never pooled: a shadow ends by an answer the decode instance fails (priced out,
+        # its tier gone) or by being cancelled mid-answer, and a real request must never be handed the connection
+        # such an end left behind (aiohttp reusing it: "Server disconnected" on the real request).
+        proxy.shadow_http = ClientSession(timeout=proxy.timeout, connector=TCPConnector(force_close=True))
         proxy.topk_broken = topk_only_broken()  # the proxy runs beside the engines, from their environment
 
     async def stop(_):
         await proxy.http.close()
+        await proxy.shadow_http.close()
 
     async def route(request, chat):
         try:
