@@ -16,6 +16,9 @@ Contract:
   another client's long transfer gets half the wire at once, not the time left on the other's backlog. Within a
   connection the order is the sender's (anchor before residual: its priority queue). Packets are put on the wire
   only when it is within `horizon_s` of free, so nothing granted ahead of time keeps a newcomer waiting.
+- One waiting connection at a time (the *driver*) wakes to put packets on the wire; the others sleep until their
+  frame's last packet is on it, so N waiting connections cost one wake-up a packet, not N (on the prefill node
+  these threads share the core its forward runs on).
 - Without a bandwidth and a latency, `pace` returns at once."""
 from __future__ import annotations
 
@@ -40,8 +43,10 @@ class Nic:
         self.clock, self.sleep = clock, sleep
         self.free_at = -float("inf")  # when the wire's last granted byte leaves
         self.sent_bytes = 0
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)  # (the NIC's lock; each port waits on its own condition of it)
         self._ring: list[NicPort] = []  # ports in round-robin order
+        self._driver: NicPort | None = None  # the one waiting port that wakes to put packets on the wire
         self._rr, self._fresh = 0, True  # whose turn it is; whether it has had its quantum this turn
 
     @property
@@ -65,7 +70,8 @@ class Nic:
                     self._rr -= 1
                 self._rr = self._rr % len(self._ring) if self._ring else 0
                 self._fresh = True
-            self._cv.notify_all()
+            for p in [port, *self._ring]:
+                p._wake.notify()
 
     def _next(self) -> "NicPort":
         """Under the lock, some port having bytes waiting: whose packet goes next (deficit round-robin)."""
@@ -98,7 +104,15 @@ class Nic:
                 p.pending = (left - size, ready)
             else:
                 p.pending, p.delivery = None, self.free_at + self.latency
-                self._cv.notify_all()
+                p._wake.notify()  # its own thread only: N waiting connections are not N wake-ups a frame
+
+    def _hand_over(self) -> None:
+        """Under the lock, the driver leaving: a port still waiting drives the wire next."""
+        self._driver = None
+        for p in self._ring:
+            if p.pending is not None:
+                p._wake.notify()
+                return
 
 
 class NicPort:
@@ -110,6 +124,7 @@ class NicPort:
         self.delivery: float | None = None
         self.deficit = 0
         self.closed = False
+        self._wake = threading.Condition(nic._lock)
 
     def schedule(self, nbytes: int, ready_at: float | None = None, stop: threading.Event | None = None):
         """Block until the last packet of `nbytes`, ready at `ready_at` (the NIC's clock; default now), is on the
@@ -122,15 +137,22 @@ class NicPort:
             return None if stop is not None and stop.is_set() else now
         with nic._cv:
             self.pending, self.delivery = (nbytes, now if ready_at is None else min(ready_at, now)), None
-            while True:
-                nic._drain()
-                if self.delivery is not None:
-                    return self.delivery
-                if stop is not None and stop.is_set() or self.closed:
-                    self.pending = None
-                    nic._cv.notify_all()
-                    return None
-                nic._cv.wait(min(max(nic.free_at - nic.horizon - nic.clock(), 0.0005), 0.05))
+            try:
+                while True:
+                    nic._drain()
+                    if self.delivery is not None:
+                        return self.delivery
+                    if stop is not None and stop.is_set() or self.closed:
+                        self.pending = None
+                        return None
+                    if nic._driver is None or nic._driver is self:  # wake when the wire is within the horizon
+                        nic._driver = self
+                        self._wake.wait(min(max(nic.free_at - nic.horizon - nic.clock(), 0.0005), 0.05))
+                    else:  # woken by the driver's _drain when this frame is on the wire (or to drive it)
+                        self._wake.wait(0.05)
+            finally:
+                if nic._driver is self:
+                    nic._hand_over()
 
     def pace(self, nbytes: int, stop: threading.Event | None = None, ready_at: float | None = None) -> bool:
         """`schedule`, then wait for the delivery; returns True if `stop` was set meanwhile."""
