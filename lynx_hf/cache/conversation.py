@@ -24,7 +24,6 @@ ones when it re-runs the prompt's last position (`post_forward`). A plain call e
 from __future__ import annotations
 
 import contextlib
-import copy
 import hashlib
 import threading
 import weakref
@@ -32,8 +31,6 @@ import weakref
 import torch
 
 from ..arch import media_inputs, media_key, refuse_encoder_decoder
-from ..trace import Trace
-from .store import complete
 
 BUSY = "this LynxCache is in use by a generate call that has not finished (or by a copy being made of it)"
 BROKEN = ("a generation on this LynxCache failed part-way, so what it holds is unknown: build a new one from the "
@@ -200,10 +197,7 @@ class Conversation:
             cache.quant_config = quant_config
         for l in cache.layers:
             l.append_sealed(L) if extend else l.begin_range(L)
-        cache.prompt_len, cache.prefill_logits, cache._error = L, None, None
-        cache._pending_full = [False] * len(cache.layers)
-        cache.trace = Trace()
-        cache.trace.stats.held_tokens = start
+        cache.begin_turn(L, start)
         self.expect_prompt(input_ids)
         self.phase = "fresh"
 
@@ -246,9 +240,7 @@ class Conversation:
             return
         self.tokens, self.phase = sequences.detach().long().cpu().clone(), "held"
         self._turns += 1
-        with cache._lock:
-            done = complete(cache.layers, "residual") and cache.prefill_logits is not None
-        if done:
+        if cache.landed():
             cache.close()
 
     def settle(self) -> None:
@@ -328,21 +320,12 @@ class Conversation:
         self.phase = "held"
         if share:  # sealed KV is never written in place: a branch may share it
             memo.update({id(t): t for l in cache.layers for t in (l.keys, l.values) if t is not None})
-        new = type(cache).__new__(type(cache))
-        memo[id(cache)] = new
-        skip = {"_lock", "_changed", "loader", "_hooks", "_model", "trace", "conversation"}
-        for k, v in cache.__dict__.items():
-            if k not in skip:
-                setattr(new, k, copy.deepcopy(v, memo))
-        new._lock = threading.Lock()
-        new._changed = threading.Condition(new._lock)
-        new.loader, new._hooks, new._model, new._bound = None, [], None, False
-        new.trace = Trace()
+        new = cache.branch_copy(memo)
         new.conversation = c = Conversation(new)
         c.phase, c._turns, c.tokens, c.prompt, c.visible = "held", self._turns, self.tokens.clone(), self.prompt, \
             self.visible
         c.media_key, c.encoded_key = self.media_key, self.encoded_key
-        model = cache._model() if cache._model is not None else None
+        model = cache.bound_model()
         if model is not None:
             new.bind(model)
         return new

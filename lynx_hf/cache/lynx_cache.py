@@ -26,6 +26,7 @@ on top (measured against this bound in docs/performance.md). The cache knows not
 its telemetry is a `Trace` (`cache.trace`, `cache.stats`)."""
 from __future__ import annotations
 
+import copy
 import threading
 import time
 import warnings
@@ -326,6 +327,44 @@ class LynxCache(Cache):
     def held_ids(self) -> torch.Tensor | None:
         """[B, held]: the ids whose KV this cache holds once a generation is over (None before)."""
         return self.conversation.held_ids()
+
+    @property
+    def pinned(self) -> bool:
+        """`pin_tier` was called: plain generate reads one tier, and speculative_generate refuses this cache."""
+        return self._pinned
+
+    def begin_turn(self, prompt_len: int, held: int) -> None:
+        """A continued turn (`Conversation.begin_range`): the prompt is `prompt_len` positions, `held` of them here
+        already; the last turn's logits and failure cleared, no full tier pending, a fresh trace counting `held`."""
+        self.prompt_len, self.prefill_logits, self._error = prompt_len, None, None
+        self._pending_full = [False] * len(self.layers)
+        self.trace = Trace()
+        self.trace.stats.held_tokens = held
+
+    def landed(self) -> bool:
+        """Every layer's full tier and the logits are here (read under the cache's lock)."""
+        with self._lock:
+            return complete(self.layers, "residual") and self.prefill_logits is not None
+
+    def bound_model(self):
+        """The model this cache is bound to (None: none, or no longer alive)."""
+        return self._model() if self._model is not None else None
+
+    def branch_copy(self, memo: dict) -> "LynxCache":
+        """A copy of this cache's state through `memo` (deepcopy's; sealed tensors the caller put in it are shared),
+        with its own lock and trace and no loader, hooks, binding or conversation: `Conversation.branch` gives it
+        one."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        skip = {"_lock", "_changed", "loader", "_hooks", "_model", "trace", "conversation"}
+        for k, v in self.__dict__.items():
+            if k not in skip:
+                setattr(new, k, copy.deepcopy(v, memo))
+        new._lock = threading.Lock()
+        new._changed = threading.Condition(new._lock)
+        new.loader, new._hooks, new._model, new._bound = None, [], None, False
+        new.trace = Trace()
+        return new
 
     def __deepcopy__(self, memo):
         """An independent branch of a held conversation (a fresh cache is sealed first: its residual awaited)."""

@@ -136,7 +136,7 @@ def _generate_claimed(model, input_ids, logits_processor, stopping_criteria, gc,
     max_pos = None if max_length is None else \
         (P if mask is None else int(mask[:, :P].sum(-1).max())) + max_length - P - 1
     refuse_model(model, max_pos)
-    conv.start_generate(cache._pinned)
+    conv.start_generate(cache.pinned)
     cache.trace.start(t0)
     s = DecodeState(model, input_ids, cache, mask, logits_processor, stopping_criteria, gc,
                     streams if streams.all else None, spec)

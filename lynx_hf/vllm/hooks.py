@@ -185,6 +185,22 @@ class StepMeta:
 
 
 @dataclass
+class _Job:
+    """Prefill instance: a request whose prompt KV is to be published once its last prefill step runs."""
+    p: dict        # its parsed kv_transfer_params
+    blocks: list   # its block table so far
+    P: int         # its prompt's length
+    digest: str    # token_digest of its prompt
+
+
+@dataclass(frozen=True)
+class _Seen:
+    """A live request's prompt and the transfer it claims (None: none)."""
+    ids: list
+    claims: str | None
+
+
+@dataclass
 class _Xfer:
     """A live transfer (decode instance, scheduler side)."""
     P: int
@@ -224,7 +240,7 @@ class SchedulerSide:
         codec_config(base or {}, "lynx")  # a bad base refused at setup
         self.base, self.geometry, self.max_held, self.timeout_s, self.clock = base or {}, geometry, \
             max_held_bytes, timeout_s, clock
-        self._produce: dict[str, dict] = {}   # req_id -> {p, blocks, P, digest}
+        self._produce: dict[str, _Job] = {}   # req_id -> its publishing job
         self._saved: set[str] = set()
         self._published: dict[str, float] = {}  # xfer -> when a request took it (the last MAX_ENDED: duplicates)
         self._refusals: list[tuple[str, str]] = []
@@ -234,7 +250,7 @@ class SchedulerSide:
         self._xfers: dict[str, _Xfer] = {}
         self._ended: dict[str, float] = {}    # xfer -> when it ended (late shadows are refused)
         self._closed: list[str] = []
-        self._prompts: dict[str, tuple] = {}  # live requests: req_id -> (prompt ids, xfer it claims or None)
+        self._prompts: dict[str, _Seen] = {}  # live requests
         self._seen_at: dict[str, float] = {}
         self._pass_load: dict[str, str] = {}  # requests matched for a load in this scheduling pass (-> tier) ...
         self._pass_alloc: set[str] = set()    # ... and those that got blocks
@@ -362,7 +378,7 @@ class SchedulerSide:
         """A request seen: a rival of every live transfer whose key its prompt starts with (unless it claims it)."""
         if req_id in self._prompts:
             return
-        self._prompts[req_id] = (prompt_ids, claims)
+        self._prompts[req_id] = _Seen(prompt_ids, claims)
         for xfer, x in self._xfers.items():
             if xfer != claims and _starts_with(prompt_ids, x):
                 x.rivals.add(req_id)
@@ -396,8 +412,7 @@ class SchedulerSide:
             self._published[p["xfer"]] = self.clock()
             while len(self._published) > MAX_ENDED:
                 del self._published[next(iter(self._published))]
-            self._produce[req_id] = {"p": p, "blocks": list(block_ids), "P": len(prompt_ids),
-                                     "digest": token_digest(prompt_ids)}
+            self._produce[req_id] = _Job(p, list(block_ids), len(prompt_ids), token_digest(prompt_ids))
         elif p["role"] == "consume" and num_external > 0:
             self._add_member(req_id, prompt_ids, p, block_ids, num_external)
 
@@ -408,7 +423,7 @@ class SchedulerSide:
             x = self._xfers[xfer] = _Xfer(P, token_digest(prompt_ids[:P + 1]), token_digest(prompt_ids[:P]),
                                           p["method"], self._bound(P, p["method"]), int(prompt_ids[P]))
             self.held += x.bound
-            x.rivals = {r for r, (ids, claims) in self._prompts.items() if claims != xfer and _starts_with(ids, x)}
+            x.rivals = {r for r, seen in self._prompts.items() if seen.claims != xfer and _starts_with(seen.ids, x)}
         x.members.add(req_id)
         x.times.setdefault(req_id, {"admitted": self.clock(), "first_step": None, "last_step": None, "steps": 0,
                                     "batch": 0})  # (a preempted R reloading keeps its first admission)
@@ -487,19 +502,18 @@ class SchedulerSide:
 
     def _saves(self, meta: StepMeta, new_reqs, cached, num_scheduled, preempted: set, resumed: set) -> None:
         for rid in preempted & set(self._produce):  # its blocks are gone: a resumed one brings a whole new table
-            self._produce[rid]["blocks"] = []
+            self._produce[rid].blocks = []
         steps = [(r, b, c, False) for r, b, c in new_reqs] + [(r, b, c, r not in resumed) for r, b, c in cached]
         for rid, blocks, computed, more in steps:
             job = self._produce.get(rid)
             if job is None:
                 continue
             if blocks:  # a new or resumed request's whole table, or the blocks a running one gained
-                job["blocks"] = job["blocks"] + list(blocks) if more else list(blocks)
-            if computed + num_scheduled.get(rid, 0) >= job["P"]:  # the prompt's last prefill step runs now
+                job.blocks = job.blocks + list(blocks) if more else list(blocks)
+            if computed + num_scheduled.get(rid, 0) >= job.P:  # the prompt's last prefill step runs now
                 del self._produce[rid]
                 self._saved.add(rid)
-                p = job["p"]
-                meta.saves.append(SaveMeta(rid, p["xfer"], p["method"], job["P"], job["blocks"], job["digest"]))
+                meta.saves.append(SaveMeta(rid, job.p["xfer"], job.p["method"], job.P, job.blocks, job.digest))
 
     def _preempted(self, rid: str) -> None:
         for x in self._xfers.values():
