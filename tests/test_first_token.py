@@ -119,13 +119,14 @@ def test_exact_mode_computes_its_corrections_after_the_logits_leave(tiny, monkey
     _check_order(r)
 
 
-def test_before_the_logits_a_layer_is_encoded_only_while_the_link_needs_it(tiny, monkeypatch, want):
-    """With a lead of 10 ms (1.25 KB at 1 Mbit/s), layer 0's anchor frames already feed the link when layer 1's KV
-    arrives: layer 1 is encoded after FIRST is built, not inside the forward pass. Same tokens."""
+def _layer_1_waits_for_the_logits(tiny, monkeypatch, want, **settings):
+    """With prefill's `settings` patched: the tokens are `want`, and only layer 0 (K/V × 3 segments) is encoded
+    before FIRST is built, layer 1 right after it."""
     from lynx_hf.transfer import prefill as P
 
     calls = []
-    monkeypatch.setattr(P, "LEAD_S", 0.01)
+    for name, value in settings.items():
+        monkeypatch.setattr(P, name, value)
     for name in ("encode", "pack_logits"):
         real = getattr(P, name)
         monkeypatch.setattr(P, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
@@ -138,26 +139,16 @@ def test_before_the_logits_a_layer_is_encoded_only_while_the_link_needs_it(tiny,
     first = calls.index("pack_logits")
     assert calls[:first] == ["encode"] * 2 * 3  # layer 0: K/V × 3 segments; layer 1 waited for the logits
     assert calls[first + 1:first + 1 + 2 * 3] == ["encode"] * 2 * 3
+
+
+def test_before_the_logits_a_layer_is_encoded_only_while_the_link_needs_it(tiny, monkeypatch, want):
+    """With a lead of 10 ms (1.25 KB at 1 Mbit/s), layer 0's anchor frames already feed the link when layer 1's KV
+    arrives: layer 1 is encoded after FIRST is built, not inside the forward pass. Same tokens."""
+    _layer_1_waits_for_the_logits(tiny, monkeypatch, want, LEAD_S=0.01)
 
 
 def test_before_the_logits_encoding_takes_no_more_than_its_budget(tiny, monkeypatch, want):
     """A codec dearer than its link's pace (CacheGen's coder on a CPU) must not slow the forward pass: with no
     encoding budget (ENCODE_SHARE 0) and a link that is never fed, only layer 0 is encoded before FIRST is built
     (one layer at least), the rest after it. Same tokens."""
-    from lynx_hf.transfer import prefill as P
-
-    calls = []
-    monkeypatch.setattr(P, "ENCODE_SHARE", 0.0)
-    monkeypatch.setattr(P, "LEAD_S", 1e9)
-    for name in ("encode", "pack_logits"):
-        real = getattr(P, name)
-        monkeypatch.setattr(P, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
-    srv = S.PrefillServer(tiny, secret=SECRET, bandwidth_bps=LINK_BPS).start()
-    try:
-        got = _over(DecodeClient(tiny, *srv.address, secret=SECRET))
-    finally:
-        srv.close()
-    assert got["tokens"] == want
-    first = calls.index("pack_logits")
-    assert calls[:first] == ["encode"] * 2 * 3  # layer 0: K/V × 3 segments; layer 1 waited for the logits
-    assert calls[first + 1:first + 1 + 2 * 3] == ["encode"] * 2 * 3
+    _layer_1_waits_for_the_logits(tiny, monkeypatch, want, ENCODE_SHARE=0.0, LEAD_S=1e9)
