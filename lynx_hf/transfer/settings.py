@@ -13,11 +13,11 @@ import math
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..session import PLACES
 from ..flags import MAX_CONCURRENT_PREFILLS, MAX_INFLIGHT_MB, MAX_TIMEOUT_S, PREFIX_CACHE_MB, machine_mb
+from .nixl import PLANES
 
 PREFILL_STEP = 1024  # tokens of one forward pass of a long prompt (a short request waits for at most one)
-PLANES = ("tcp", "nixl")
-PREFILL_ON = ("auto", "prefill", "decode")  # (session.PLACES)
 RENAMED = {"prefill_chunk": "prefill_step"}  # PrefillServer keywords renamed in 0.1.0 (one word, one meaning)
 
 
@@ -133,5 +133,5 @@ class ClientSettings:
             raise ConfigError(f"timeout_s must be a finite number of seconds in (0, {MAX_TIMEOUT_S:g}], "
                               f"got {self.timeout_s!r}")
         _choice("data_plane", self.data_plane, PLANES)
-        _choice("prefill_on", self.prefill_on, PREFILL_ON, ", ".join(PREFILL_ON))
+        _choice("prefill_on", self.prefill_on, PLACES, ", ".join(PLACES))
         _number("link_bps", self.link_bps, none=True)
