@@ -60,9 +60,9 @@ shift || true
 case "$cmd" in
   test) exec .venv/bin/python -m pytest -q -m "slow or not slow" "$@" ;;  # both tiers (plain pytest: the fast one)
   vllm-env) vllm_env ;;
-  vllm-demo) vllm_env; exec .venv-vllm/bin/python -m lynx_hf.vllm.demo --model "$(embedded_model)" "$@" ;;
-  vllm-bench) vllm_env; exec .venv-vllm/bin/python -m lynx_hf.vllm.bench --model "$(embedded_model)" "$@" ;;
-  vllm-proxy) vllm_env; exec .venv-vllm/bin/python -m lynx_hf.vllm.proxy "$@" ;;
+  vllm-demo) vllm_env; exec .venv-vllm/bin/python -m lynx_hf.eval.benches.vllm_demo --model "$(embedded_model)" "$@" ;;
+  vllm-bench) vllm_env; exec .venv-vllm/bin/python -m lynx_hf.eval.benches.vllm_bench --model "$(embedded_model)" "$@" ;;
+  vllm-proxy) vllm_env; exec .venv-vllm/bin/python -m lynx_hf.vllm.serve.proxy "$@" ;;
   vllm-model) embedded_model ;;  # the embedded model's HF folder, for `vllm serve` / api_server --model
   *) exec .venv/bin/lynx-hf "$cmd" "$@" ;;
 esac

@@ -3,7 +3,7 @@
 #   1. the Triton kernels against the reference codes, on the GPU (tests/test_kernels.py, LYNX_TEST_DEVICE=cuda);
 #   2. their GB/s next to the GPU's copy_ bandwidth (lynx-hf bench codec --device cuda; HBM peak from nvidia-smi);
 #   3. the end-to-end Lynx path with the default model on the GPU: two processes over torch.distributed
-#      (eval/dist_pair.py; NCCL when two GPUs are visible, else gloo for the transport, models on CUDA),
+#      (eval/benches/dist_pair.py; NCCL when two GPUs are visible, else gloo for the transport, models on CUDA),
 #      INT8 vs Lynx timings, Lynx = full tier, and the PCIe bytes: what the decode side moved host → GPU for the
 #      prompt (h2d_bytes: codes and metadata, dequantized on the GPU) next to the dequantized KV (kv_float_bytes);
 #   4. the roofline prediction of docs/performance.md next to step 2's GB/s;
@@ -35,15 +35,15 @@ LYNX_TEST_DEVICE=cuda timeout 240 $P -m pytest -q -p no:cacheprovider tests/test
 echo "== 2. codec GB/s vs copy_ on the GPU"
 timeout 180 $P -m lynx_hf.cli bench codec --device cuda --reps 10 | tee "$OUT/bench_codec.txt" | tail -12
 echo "== 3. end to end: prefill rank -> decode rank, default model on CUDA"
-timeout 240 $P -m lynx_hf.eval.dist_pair --device cuda --tokens 2048 | tee "$OUT/dist_pair.json" | tail -1
+timeout 240 $P -m lynx_hf.eval.benches.dist_pair --device cuda --tokens 2048 | tee "$OUT/dist_pair.json" | tail -1
 echo "== 4. the roofline prediction (docs/performance.md) against what step 2 measured"
-$P -m lynx_hf.eval.roofline --codec "$OUT/bench_codec.txt" | tee "$OUT/roofline.txt" | grep -v '^{'
+$P -m lynx_hf.eval.benches.roofline --codec "$OUT/bench_codec.txt" | tee "$OUT/roofline.txt" | grep -v '^{'
 echo "== 5. NIXL data plane: host -> device bytes of a 2K-token prompt's segments written by NIXL"
 $P -m pip install -q -e ".[nixl]" || echo "NIXL did not install"
 UCX_TLS=tcp UCX_NET_DEVICES=lo timeout 240 $P - <<'PY' | tee "$OUT/nixl.json" | tail -1 || echo '{"nixl": "failed"}' > "$OUT/nixl.json"
 import json, lynx_hf
 from lynx_hf import LynxQuantConfig
-from lynx_hf.eval.harness import default_prompt_text, prefill_child
+from lynx_hf.eval.lib.harness import default_prompt_text, prefill_child
 model, tok = lynx_hf.load_default_model()
 model = model.cuda()
 ids = tok(default_prompt_text()).input_ids[:2048]

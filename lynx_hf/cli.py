@@ -2,7 +2,7 @@
 subcommand that needs it, so `lynx-hf --help` starts without torch).
 
 Each subcommand has a registration function `_add_NAME(sub)` beside its handler; `lynx-hf bench`'s benchmarks and
-`serve-prefill` / `serve-decode` register their own (`register(sub)` in lynx_hf.eval.bench_* and
+`serve-prefill` / `serve-decode` register their own (`register(sub)` in lynx_hf.eval.benches.bench_* and
 lynx_hf.transfer.commands). Every numeric flag goes through a lynx_hf.flags validator."""
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ def _add_eval(sub) -> None:
 
 
 def _codec_quality(a):
-    from lynx_hf.eval import data
+    from lynx_hf.eval.lib import data
 
     data.require("codec-quality", a.text, needs_text=True, needs_mmlu=a.widths)
-    from lynx_hf.eval import anchor_widths, codec_quality
-    from lynx_hf.eval.harness import final_line, printer
+    from lynx_hf.eval.quality import anchor_widths, codec_quality
+    from lynx_hf.eval.lib.harness import final_line, printer
 
     lines = []
     emit = printer(a.json)
@@ -65,8 +65,8 @@ def _add_codec_quality(sub) -> None:
 
 def _add_bench(sub) -> None:
     """`lynx-hf bench BENCHMARK`: each benchmark module registers its own subcommand and flags."""
-    from lynx_hf.eval import (bench_codec, bench_exact, bench_kernels, bench_server_memory, bench_session,
-                              bench_startup, bench_transfer)
+    from lynx_hf.eval.benches import (bench_codec, bench_exact, bench_kernels, bench_server_memory, bench_session,
+                                      bench_startup, bench_transfer)
 
     b = subcommand(sub, "bench", "benchmarks that print numbers and a final JSON line "
                                  "(`lynx-hf bench BENCHMARK --help`: what one measures, its options)")
@@ -77,7 +77,7 @@ def _add_bench(sub) -> None:
 
 
 def _demo(a):
-    from lynx_hf.eval import demo
+    from lynx_hf.eval.benches import demo
 
     from lynx_hf.transfer.commands import plane_or_exit
 
@@ -110,10 +110,10 @@ def _add_demo(sub) -> None:
 
 
 def _acceptance(a):
-    from lynx_hf.eval import data
+    from lynx_hf.eval.lib import data
 
     data.require("acceptance", needs_text=True, needs_mmlu=True, text_flag=None)
-    from lynx_hf.eval import acceptance
+    from lynx_hf.eval.quality import acceptance
 
     acceptance.run(a.drafts, a.json, a.model)
 
@@ -129,10 +129,10 @@ def _add_acceptance(sub) -> None:
 
 
 def _results(a):
-    from lynx_hf.eval import data
+    from lynx_hf.eval.lib import data
 
     data.require("results", needs_mmlu=True)
-    from lynx_hf.eval import results
+    from lynx_hf.eval.quality import results
 
     results.run(a.questions, tuple(a.contexts), a.model, a.out, a.residual_after, lynx_config=a.lynx_config,
                 as_json=a.json, ruler_samples=a.ruler_samples, demo=not a.no_demo, bandwidth_mbps=a.bandwidth_mbps,
@@ -170,10 +170,10 @@ def _add_results(sub) -> None:
 
 
 def _calibrate(a):
-    from lynx_hf.eval import data
+    from lynx_hf.eval.lib import data
 
     data.require("calibrate", a.text, needs_text=True)
-    from lynx_hf.eval import calibrate
+    from lynx_hf.eval.tools import calibrate
 
     calibrate.run(a.model, a.text, a.budget, a.out, tuple(a.contexts), a.gen, a.json)
 
@@ -193,7 +193,7 @@ def _add_calibrate(sub) -> None:
 
 
 def _card(a):
-    from lynx_hf.eval import card
+    from lynx_hf.eval.tools import card
 
     card.run(a.model, a.out, a.results or None, a.lynx_config, a.residual_after, a.push)
 
@@ -213,7 +213,7 @@ def _add_card(sub) -> None:
 
 
 def _simulate(a):
-    from lynx_hf.eval import simulate
+    from lynx_hf.eval.benches import simulate
 
     simulate.run(a.acceptance, a.json)
 
@@ -257,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["eval"]:  # every lm-eval flag passes through unchanged
-        from lynx_hf.eval import lm_eval_model
+        from lynx_hf.eval.lmeval import lm_eval_model
 
         return lm_eval_model.cli(argv[1:])
     p = build_parser()

@@ -1,6 +1,6 @@
 """The physical floor of a request's time figures, from that request's own events, and the rounds of a `--repeat`
 benchmark: medians with their ranges, and ratios as medians of per-round paired ratios (the HF benches in eval/ and
-the vLLM harnesses use them; eval/floors.py re-exports them). docs/performance.md
+the vLLM harnesses and eval/ use them). docs/performance.md
 ("Floors") states each formula; tests/test_floors.py checks the arithmetic on scripted timelines.
 
 Terms, for one request; times in seconds from its start (t0):

@@ -12,7 +12,7 @@ as `.cache`) with the whole conversation's ids; only the new positions run."""
 from __future__ import annotations
 
 from .arch import media_inputs
-from .cache import LynxCache
+from .local import LynxCache  # (the prefill side: it registers LynxCache.from_prefill, which a local prefill uses)
 from .config import LynxQuantConfig
 from .engine import speculative_generate
 

@@ -5,8 +5,8 @@ positions for full attention, the last min(P, W) for a sliding window W) and the
 `InProcessLoader` encodes that KV and delivers it to a LynxCache in this process on a step-count or
 bandwidth-simulated schedule (anchor first); the network path (lynx_hf.transfer) is the other way to fill a cache.
 `from_prefill`, `from_kv` and `add_turn` build or extend a LynxCache from such a prefill (they are LynxCache's
-classmethods of the same names, registered in `PREFILL_SIDE`); `extend_here` appends a turn's new positions
-computed on the decode side itself."""
+classmethods of the same names, registered in `PREFILL_SIDE`). A turn's new positions computed on the decode side
+itself: `cache.conversation.extend_here`."""
 from __future__ import annotations
 
 import inspect
@@ -330,20 +330,6 @@ def add_turn(model, cache, input_ids: torch.Tensor, residual_after_steps: int | 
     cache.put_logits(logits)
     InProcessLoader(kv, cache.quant_config, residual_after_steps, bandwidth_bps).attach(cache)
     return logits.argmax(-1, keepdim=True)
-
-
-@torch.no_grad()
-def extend_here(model, cache, input_ids: torch.Tensor, start: int) -> None:
-    """Run the new positions [start, L) of `input_ids` through `model` on `cache` (after `continue_turn`), as
-    Transformers does with its own caches: their KV joins the held KV in full precision and the last position's
-    logits become the turn's first-token logits. The cache then serves `input_ids` as a fresh prompt."""
-    L = input_ids.shape[1]
-    kw = {}
-    if "position_ids" in inspect.signature(model.forward).parameters:
-        kw["position_ids"] = torch.arange(start, L, device=input_ids.device)[None]
-    out = model(input_ids=input_ids[:, start:], cache=cache, use_cache=True, logits_to_keep=1, **kw)
-    cache.conversation.begin_range(input_ids, extend=True)
-    cache.prefill_logits = out.logits[:, -1]
 
 
 PREFILL_SIDE.update(from_prefill=from_prefill, from_kv=from_kv, add_turn=add_turn)

@@ -26,6 +26,7 @@ import torch
 
 from .arch import context_budget, logits_width, max_prompt_tokens
 from .cache import LynxCache
+from .cache.conversation import extend_here
 from .config import AUTO, LynxQuantConfig, SpecConfig
 from .trace import DictReads, Stats
 from .width import kept_width
@@ -198,7 +199,7 @@ class LocalLink:
                 cache = cache.fork()
                 if cfg.exact:  # exact mode: the new positions over the held KV, here, as Transformers' turn does
                     held = cache.conversation.continue_turn(ids)
-                    local.extend_here(self.model, cache, ids, held)
+                    extend_here(self.model, cache, ids, held)
                 else:
                     local.add_turn(self.model, cache, ids, self.residual_after_steps, self.bandwidth_bps)
                     held = cache.stats.held_tokens

@@ -43,7 +43,7 @@ def shakespeare_ids(model_and_tok):
 
 @pytest.fixture(scope="session")
 def questions():
-    from lynx_hf.eval.data import read_questions
+    from lynx_hf.eval.lib.data import read_questions
 
     return read_questions(FIXTURES / "mmlu_pro.jsonl")
 
@@ -51,7 +51,7 @@ def questions():
 @pytest.fixture(scope="session")
 def eval_prompts(model_and_tok, shakespeare_ids, questions):
     """The 20 evaluation prompts (256–2048 tokens), built from the fixtures."""
-    from lynx_hf.eval.data import eval_prompts
+    from lynx_hf.eval.lib.data import eval_prompts
 
     return eval_prompts(model_and_tok[1], shakespeare_ids, questions)
 

@@ -119,7 +119,7 @@ def test_bench_transfer_sweep_resumes(tmp_path):
 
 
 def test_crossover_rule():
-    from lynx_hf.eval.bench_transfer import _crossover
+    from lynx_hf.eval.benches.bench_transfer import _crossover
 
     assert _crossover([(50, 0.7), (200, 0.8), (1000, 1.0)]) == pytest.approx(200 * 5 ** 0.75)
     assert _crossover([(50, 0.7), (200, 0.9)]) == float("inf")

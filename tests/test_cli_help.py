@@ -54,7 +54,7 @@ def test_commands_that_need_data_say_so_before_loading_a_model(monkeypatch, tmp_
     monkeypatch.setenv("LYNX_DATA", str(tmp_path))  # a folder without the data
     monkeypatch.delenv("LYNX_MMLU_PRO_PATH", raising=False)
     monkeypatch.chdir(tmp_path)
-    import lynx_hf.eval.data as data
+    import lynx_hf.eval.lib.data as data
 
     monkeypatch.setattr(data, "data_dir", lambda: (_ for _ in ()).throw(FileNotFoundError("no shared data")))
     assert main(argv) == 1
@@ -63,8 +63,8 @@ def test_commands_that_need_data_say_so_before_loading_a_model(monkeypatch, tmp_
 
 
 def test_eval_refuses_tasks_list_and_missing_mmlu_pro_data_at_once(monkeypatch, tmp_path):
-    from lynx_hf.eval import lm_eval_model
-    import lynx_hf.eval.data as data
+    from lynx_hf.eval.lmeval import lm_eval_model
+    import lynx_hf.eval.lib.data as data
 
     with pytest.raises(SystemExit, match="lynx-hf eval ls tasks"):
         lm_eval_model.cli(["--model", "lynx", "--tasks", "list"])
@@ -78,7 +78,7 @@ def test_eval_refuses_tasks_list_and_missing_mmlu_pro_data_at_once(monkeypatch, 
 def test_eval_records_the_models_name_and_the_device_that_runs(monkeypatch):
     """lm-eval names its output folder after `pretrained=` (else a random id) and records --device (else cuda:0)."""
     from lm_eval import __main__ as lm_main
-    from lynx_hf.eval import lm_eval_model
+    from lynx_hf.eval.lmeval import lm_eval_model
     from lynx_hf.model import EMBEDDED
 
     seen = {}
@@ -95,7 +95,7 @@ def test_eval_records_the_models_name_and_the_device_that_runs(monkeypatch):
 
 
 def test_card_works_from_any_directory(monkeypatch, tmp_path):
-    from lynx_hf.eval import card
+    from lynx_hf.eval.tools import card
 
     monkeypatch.chdir(tmp_path)
     resolved = card.resolve_results(card.DEFAULT_RESULTS)

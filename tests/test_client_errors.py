@@ -67,7 +67,7 @@ def test_serve_prefill_says_a_port_in_use_or_a_bad_listen_in_one_line(monkeypatc
 
 
 def test_missing_data_names_only_flags_the_command_has(tmp_path, monkeypatch):
-    from lynx_hf.eval import data
+    from lynx_hf.eval.lib import data
 
     monkeypatch.setattr(data, "shakespeare", lambda: tmp_path / "text" / "tinyshakespeare.txt")  # not there
     for cmd, flag, say in (("acceptance", None, None), ("bench transfer --prompts shakespeare",
@@ -127,7 +127,7 @@ def test_ten_connections_in_a_row_succeed_under_load(model_and_tok):
 
 
 def test_eval_help_names_the_flags_a_user_needs(capsys):
-    from lynx_hf.eval.lm_eval_model import cli
+    from lynx_hf.eval.lmeval.lm_eval_model import cli
 
     with pytest.raises(SystemExit) as e:
         cli(["--help"])

@@ -41,7 +41,7 @@ def _full_tier_greedy(model, ids, new_tokens, cfg=None, mask=None):
 @pytest.mark.slow  # indexes every lm-eval task
 def test_every_task_yaml_is_indexed():
     """lm-eval skips a YAML that fails to parse without a word: every task and group in the folder must be found."""
-    from lynx_hf.eval.lm_eval_model import TASKS_DIR, task_manager
+    from lynx_hf.eval.lmeval.lm_eval_model import TASKS_DIR, task_manager
 
     tm = task_manager()
     names = []
@@ -57,7 +57,7 @@ def test_every_task_yaml_is_indexed():
 def test_local_task_matches_lm_eval_prompts():
     from lm_eval.tasks.mmlu_pro import utils as stock
 
-    from lynx_hf.eval.tasks import lynx_mmlu_pro as mp
+    from lynx_hf.eval.lmeval.tasks import lynx_mmlu_pro as mp
 
     docs = mp.load_local()["test"]
     qs = [json.loads(l) for l in open(QUESTIONS)]
@@ -73,7 +73,7 @@ def test_local_task_matches_lm_eval_prompts():
 
 
 def test_longctx_prompts_fill_the_context(model_and_tok):
-    from lynx_hf.eval.tasks import lynx_mmlu_pro as mp
+    from lynx_hf.eval.lmeval.tasks import lynx_mmlu_pro as mp
 
     _, tok = model_and_tok
     docs = mp.load_longctx(context_tokens=1024)["test"]
@@ -92,7 +92,7 @@ def test_longctx_prompts_fill_the_context(model_and_tok):
 # -- scoring and the lm-eval model ------------------------------------------------------------------------------------
 def test_continuation_logprobs(model_and_tok):
     """The identity mode equals a plain forward pass; each codec moves the scores by its precision."""
-    from lynx_hf.eval.kv_modes import continuation_logprobs
+    from lynx_hf.eval.lib.kv_modes import continuation_logprobs
 
     model, tok = model_and_tok
     ctx = tok((FIXTURES / "shakespeare.txt").read_text()[:1500], add_special_tokens=False).input_ids
@@ -111,13 +111,13 @@ def test_continuation_logprobs(model_and_tok):
 
 @pytest.fixture(scope="module")
 def lynx_lm(model_and_tok):
-    from lynx_hf.eval.lm_eval_model import LynxLM
+    from lynx_hf.eval.lmeval.lm_eval_model import LynxLM
 
     return LynxLM(kv="lynx", residual_after=3, batch_size=2)
 
 
 def test_lm_eval_model_scores_through_the_codec(lynx_lm, model_and_tok):
-    from lynx_hf.eval.kv_modes import continuation_logprobs
+    from lynx_hf.eval.lib.kv_modes import continuation_logprobs
 
     model, tok = model_and_tok
     ctx = tok("Question: What is the capital of France?\nAnswer: The answer is (", add_special_tokens=False).input_ids
@@ -197,7 +197,7 @@ def test_ruler_through_lynx_hf_eval_on_a_tiny_model(tmp_path, kv):
 def test_a_failed_download_is_named_in_one_line():
     """Offline, a RULER task that downloads its haystack (from the Hub's `baber/paul_graham_essays`, through
     `datasets`) fails with the ConnectionError below: `lynx-hf eval` turns such a chain into one line."""
-    from lynx_hf.eval import lm_eval_model as L
+    from lynx_hf.eval.lmeval import lm_eval_model as L
 
     try:
         try:
@@ -279,7 +279,7 @@ def test_the_cards_model_index_has_one_task_per_context_length():
     from huggingface_hub import ModelCardData
     from huggingface_hub.repocard_data import model_index_to_eval_results
 
-    from lynx_hf.eval.card import eval_results
+    from lynx_hf.eval.tools.card import eval_results
 
     rows = {m: {"accuracy": a} for m, a in (("bf16", 0.5), ("lynx", 0.4))}
     report = {"contexts": {"512": {"rows": rows}, "1024": {"rows": {m: {"accuracy": a / 2} for m, a in
@@ -298,7 +298,7 @@ def test_the_cards_model_index_has_one_task_per_context_length():
 
 # -- calibration and the config file -----------------------------------------------------------------------------------
 def test_search_finds_the_separable_optimum_within_budget():
-    from lynx_hf.eval.calibrate import search
+    from lynx_hf.eval.tools.calibrate import search
 
     want = {"alpha": 2.0, "chunk_size": 32, "value_axis": "channel"}
     calls = []
@@ -341,7 +341,7 @@ def test_config_file_errors(tmp_path):
 
 
 def test_the_paired_bootstrap_says_which_code_is_lower():
-    from lynx_hf.eval.anchor_widths import p_le
+    from lynx_hf.eval.quality.anchor_widths import p_le
 
     lo, hi = [0.1 * (i % 3) for i in range(30)], [0.1 * (i % 3) + 0.05 for i in range(30)]
     assert p_le(lo, hi) == 1.0 and p_le(hi, lo) == 0.0

@@ -1,7 +1,7 @@
 """The floors' arithmetic (lynx_hf/floors.py) on scripted timelines, and the rounds' medians and paired ratios."""
 import pytest
 
-from lynx_hf.eval.floors import floors, paired, passes, rotated, spread, step_s
+from lynx_hf.floors import floors, paired, passes, rotated, spread, step_s
 
 T0 = 100.0  # perf_counter at the request's start
 
@@ -79,8 +79,8 @@ def test_rounds_are_medians_with_ranges_and_ratios_are_medians_of_paired_ratios(
 
 
 def test_the_vllm_demos_floors_count_the_verify_passes_as_measured_and_owed_steps_at_the_step():
-    from lynx_hf.vllm.demo import floors as pd_floors, step_s as pd_step
-    from lynx_hf.vllm.pd import PDResult
+    from lynx_hf.eval.benches.vllm_demo import floors as pd_floors, step_s as pd_step
+    from lynx_hf.vllm.serve.pd import PDResult
 
     # a baseline: its whole KV at 4.0, then one token a step (0.05 s) from 4.1
     base = PDResult([0] * 32, 0.5, 4.1, 4.1, [0.5] + [4.1 + 0.05 * i for i in range(31)], "length", full_at_s=4.0,
@@ -99,7 +99,7 @@ def test_the_vllm_demos_floors_count_the_verify_passes_as_measured_and_owed_step
 
 
 def test_the_session_benchs_rounds_judge_the_last_turn_and_every_turns_identity():
-    from lynx_hf.eval.bench_session import _rounds
+    from lynx_hf.eval.benches.bench_session import _rounds
 
     def turn(ttft, tt32t, floor, identical=None, start=None, data=None, step=None):
         return {"ttft_s": ttft, "tt32t_s": tt32t, "ttft_floor_s": floor, "wire_bytes": 100, "new_tokens": 10,

@@ -1,12 +1,12 @@
 """Every Triton kernel launch the codec's dispatch can make compiles for NVIDIA sm_80 and sm_90 — ahead of time, on
 this CPU machine (no GPU, no driver) — without register spills. The Triton interpreter the other kernel tests use
 accepts code the GPU compiler rejects; this is the test that a change keeps the GPU build. The launches come from
-driving the dispatch (eval/bench_kernels.py), not from a list kept here."""
+driving the dispatch (eval/benches/bench_kernels.py), not from a list kept here."""
 import re
 
 import pytest
 
-from lynx_hf.eval import bench_kernels as bk
+from lynx_hf.eval.benches import bench_kernels as bk
 
 pytestmark = pytest.mark.skipif(bk.backend_missing() is not None, reason=str(bk.backend_missing()))
 

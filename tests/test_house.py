@@ -1,13 +1,27 @@
 """House rules, as a reviewer checks them: `ruff check` clean under pyproject.toml's settings (line length 120,
 pycodestyle, pyflakes, blind excepts); the README within its 150 lines, opening with the two commands; and the
-modules' imports (every import statement, lazy ones included) form no cycle, the core (lynx_hf outside eval) never
-imports eval, and nothing imports the command line (lynx_hf.cli only registers the commands)."""
+modules' imports (every import statement, lazy ones included) form no cycle, point down docs/architecture.md's
+layers only (LAYERS: the core never imports eval), and nothing imports the command line (lynx_hf.cli only registers
+the commands); the entry points users type still start (`python -m lynx_hf.vllm.proxy`, its old name)."""
 import ast
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+LAYERS = (  # docs/architecture.md's layers, lowest first: a module imports its own layer's and lower ones' only
+    ("settings, shapes, errors", ("lynx_hf", "lynx_hf.config", "lynx_hf.arch", "lynx_hf.errors", "lynx_hf.trace",
+                                  "lynx_hf.floors")),
+    ("codec", ("lynx_hf.kernels", "lynx_hf.quant")),
+    ("decode-side KV", ("lynx_hf.loader", "lynx_hf.cache")),
+    ("acceptance math", ("lynx_hf.spec", "lynx_hf.tree")),
+    ("engine", ("lynx_hf.engine", "lynx_hf.streamer")),
+    ("nodes", ("lynx_hf.model", "lynx_hf.width", "lynx_hf.local", "lynx_hf.link", "lynx_hf.flags", "lynx_hf.transfer",
+               "lynx_hf.session")),
+    ("vLLM plugins", ("lynx_hf.vllm",)),
+    ("beside vLLM", ("lynx_hf.vllm.serve", "lynx_hf.vllm.proxy")),
+    ("front ends", ("lynx_hf.hub", "lynx_hf.hub_folder", "lynx_hf.eval", "lynx_hf.cli")),
+)
 
 
 def test_ruff_check_is_clean():
@@ -52,6 +66,7 @@ def test_no_import_cycle_and_no_import_upwards():
     assert not [f"{m} -> cli" for m, e in edges.items() if "lynx_hf.cli" in e]
     assert not [f"{m} -> {w}" for m, e in edges.items() if not m.startswith(("lynx_hf.eval", "lynx_hf.cli"))
                 for w in e if w.startswith("lynx_hf.eval")]
+    assert not [f"{m} -> {w}" for m, e in edges.items() for w in e if _layer(w) > _layer(m)]
     state: dict[str, int] = {}  # 1: on the path, 2: done
 
     def visit(m, path):
@@ -65,3 +80,25 @@ def test_no_import_cycle_and_no_import_upwards():
     for m in sorted(set(edges) - packages):
         if m not in state:
             visit(m, [m])
+
+
+def _layer(module: str) -> int:
+    """The index in LAYERS of the longest prefix naming `module`'s layer."""
+    found = [(len(p), i) for i, (_, prefixes) in enumerate(LAYERS) for p in prefixes
+             if module == p or module.startswith(p + ".")]
+    assert found, f"{module}: in no layer of LAYERS (docs/architecture.md)"
+    return max(found)[1]
+
+
+def test_every_module_has_a_layer_and_a_probe_upwards_is_caught():
+    edges = _imports()
+    assert all(_layer(m) >= 0 for m in edges)
+    assert _layer("lynx_hf.cache.store") < _layer("lynx_hf.local") < _layer("lynx_hf.vllm.scheduler") \
+        < _layer("lynx_hf.vllm.serve.proxy") < _layer("lynx_hf.eval.lib.data")
+
+
+def test_the_proxy_still_starts_under_its_old_name():
+    for name in ("lynx_hf.vllm.proxy", "lynx_hf.vllm.serve.proxy"):
+        r = subprocess.run([sys.executable, "-m", name, "--help"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0 and "usage: lynx-hf vllm-proxy" in r.stdout, r.stdout + r.stderr

@@ -20,7 +20,7 @@ def test_missing_package_names_the_install_command(monkeypatch):
 
 
 def test_default_anchor_beats_kivi4_on_real_kv(model_and_tok, shakespeare_ids):
-    from lynx_hf.eval.kvprobe import make_probe, score
+    from lynx_hf.eval.lib.kvprobe import make_probe, score
 
     model, _ = model_and_tok
     # the protocol of `lynx-hf codec-quality`: for length n, tokens [n, 2n) of the text

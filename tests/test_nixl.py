@@ -151,7 +151,7 @@ def test_the_cli_says_so_before_loading_a_model():
 @needs_nixl
 @pytest.mark.slow  # a serve-prefill child process and the default model
 def test_two_processes_by_nixl_equal_the_tcp_path(model_and_tok):
-    from lynx_hf.eval.demo import default_prompt_text, prefill_child
+    from lynx_hf.eval.benches.demo import default_prompt_text, prefill_child
 
     model, tok = model_and_tok
     prompt = tok(default_prompt_text()).input_ids[:700]

@@ -288,8 +288,8 @@ def test_three_turns_between_two_processes_with_the_prefix_cache(model_and_tok):
     turns of a session; each turn ships only its new positions (bytes per shipped token = the whole history's),
     the server computes only past its prefix hit, and every Lynx turn's tokens equal the same KV decoded without
     drafts and the same conversation re-shipped whole."""
-    from lynx_hf.eval.bench_session import Chat, no_draft_reference
-    from lynx_hf.eval.demo import default_prompt_text, prefill_child
+    from lynx_hf.eval.benches.bench_session import Chat, no_draft_reference
+    from lynx_hf.eval.benches.demo import default_prompt_text, prefill_child
 
     model, tok = model_and_tok
     chat = Chat(tok)
@@ -319,7 +319,7 @@ def test_bench_session_arms_never_share_a_prefix_block(model_and_tok):
     """Each arm of `bench session` is its own conversation from its first block (before, all arms shared one prefix
     cache over one conversation, so every arm after the first computed ~200 tokens a turn instead of ~700); the tool
     outputs are the same in every arm."""
-    from lynx_hf.eval.bench_session import conversation
+    from lynx_hf.eval.benches.bench_session import conversation
 
     _, tok = model_and_tok
     a, b = (conversation(tok, 2, 0, tag=f"Session {n}. ") for n in ("lynx/delta", "int4/delta"))

@@ -12,7 +12,7 @@ import pytest
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads VmRSS from /proc")
 def test_the_servers_memory_stays_within_its_declared_bounds(model_and_tok):
-    from lynx_hf.eval.bench_server_memory import run
+    from lynx_hf.eval.benches.bench_server_memory import run
 
     r = run(tokens=6000, stalled=4, prefix_cache_mb=64, max_inflight_mb=8, slots=2, send_timeout_s=10, as_json=True)
     assert r["served_meanwhile_identical"], r

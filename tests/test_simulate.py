@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from lynx_hf.eval import simulate as sim
+from lynx_hf.eval.benches import simulate as sim
 
 
 @pytest.fixture(scope="module")

@@ -267,7 +267,7 @@ def test_torch_distributed_transport_gloo():
 def test_end_to_end_over_torch_distributed():
     """The GPU check's third part on the CPU: a prefill rank and a decode rank, each with the default model, the
     whole session (handshake, KV streams, logits) over DistTransport (gloo); Lynx's tokens = the full tier's."""
-    from lynx_hf.eval import dist_pair
+    from lynx_hf.eval.benches import dist_pair
 
     r = dist_pair.run("gloo", "cpu", tokens=96, new_tokens=6)
     assert r["identical_to_full"] is True and r["tokens"] == 96

@@ -80,7 +80,7 @@ def test_a_continued_turn_hits_the_decode_instances_cache_ships_only_what_it_lac
 
 def _free_ports(lo: int, n: int) -> int:
     """The first of n consecutive free loopback ports from lo on."""
-    from lynx_hf.vllm.servers import free_base
+    from lynx_hf.eval.benches.vllm_servers import free_base
 
     base = free_base(n, lo, lo + 900)
     if base is None:

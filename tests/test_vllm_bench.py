@@ -1,4 +1,5 @@
-"""`python -m lynx_hf.vllm.bench` (bash bootstrap.sh vllm-bench): its pure parts in the fast tier (no vLLM, no
+"""`python -m lynx_hf.eval.benches.vllm_bench` (bash bootstrap.sh vllm-bench): its pure parts in the fast tier (no
+vLLM, no
 aiohttp: schedule, percentiles, the exactness judgment, the request plan, the summary's names, /metrics parsing,
 the flags), and one slow smoke run of the whole bench in .venv-vllm (skipped, saying why, where it is not set up)."""
 import json
@@ -10,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from lynx_hf.vllm import bench
-from lynx_hf.vllm.servers import free_base
+from lynx_hf.eval.benches import vllm_bench as bench
+from lynx_hf.eval.benches.vllm_servers import free_base
 
 ROOT = Path(__file__).resolve().parent.parent
 VPY = ROOT / ".venv-vllm" / "bin" / "python"
@@ -20,7 +21,8 @@ METHOD_KEYS = {"ttft_p50_s", "ttft_p90_s", "tt32t_p50_s", "tt32t_p90_s", "output
 
 
 def test_the_module_imports_without_vllm_or_aiohttp():
-    code = "import sys, lynx_hf.vllm.bench; print(sorted(m for m in ('vllm', 'aiohttp', 'torch') if m in sys.modules))"
+    code = ("import sys, lynx_hf.eval.benches.vllm_bench; "
+            "print(sorted(m for m in ('vllm', 'aiohttp', 'torch') if m in sys.modules))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr
 
@@ -181,8 +183,9 @@ def test_bench_smoke_on_the_embedded_model(tmp_path):
 
     model = converted_gguf(default_model_dir(), DEFAULT_GGUF)
     base = free_base(bench.PORTS, 9150, 9199) or free_base(bench.PORTS, 38200, 39000)
-    p = subprocess.run([str(VPY), "-m", "lynx_hf.vllm.bench", "--model", model, "--requests", "6", "--new-tokens",
-                        "16", "--prompt-max", "512", "--rate", "0.5", "--port", str(base), "--out-dir", str(tmp_path),
+    p = subprocess.run([str(VPY), "-m", "lynx_hf.eval.benches.vllm_bench", "--model", model, "--requests", "6",
+                        "--new-tokens", "16", "--prompt-max", "512", "--rate", "0.5", "--port", str(base),
+                        "--out-dir", str(tmp_path),
                         "--json"], capture_output=True, text=True, timeout=900, cwd=ROOT)
     lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
     log = tmp_path / "vllm_bench_servers.log"
@@ -204,7 +207,7 @@ def test_bench_smoke_on_the_embedded_model(tmp_path):
 
 
 def test_the_engines_get_disjoint_halves_of_the_cores_and_none_below_two(monkeypatch):
-    from lynx_hf.vllm import engine
+    from lynx_hf.vllm.serve import engine
 
     monkeypatch.setattr(engine.os, "sched_getaffinity", lambda _: {3, 0, 1, 2, 5})
     assert engine.disjoint_cores() == ([0, 1], [2, 3, 5])
@@ -217,7 +220,7 @@ def test_the_engines_get_disjoint_halves_of_the_cores_and_none_below_two(monkeyp
 def test_the_engines_get_disjoint_halves_of_the_cores_unless_shared(monkeypatch):
     from types import SimpleNamespace
 
-    from lynx_hf.vllm import engine
+    from lynx_hf.vllm.serve import engine
 
     monkeypatch.setattr(engine.os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
     assert bench.engine_cores(SimpleNamespace(shared_cores=False)) == {"prefill": [0, 1], "decode": [2, 3]}

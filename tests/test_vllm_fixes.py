@@ -49,7 +49,7 @@ def test_topk_only_refusal_names_only_sampled_requests_with_top_k_and_no_top_p()
 
 
 def test_the_proxy_answers_a_topk_only_request_itself_with_the_reason():
-    from lynx_hf.vllm.proxy import _topk_only
+    from lynx_hf.vllm.serve.proxy import _topk_only
 
     assert "top_k and no top_p" in _topk_only({"top_k": 20}) and _topk_only({"top_k": 3, "temperature": None})
     for sampling in ({"top_k": 20, "top_p": 0.9}, {"temperature": 0, "top_k": 5}, {}, {"top_k": None},

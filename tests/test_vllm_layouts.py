@@ -190,7 +190,7 @@ def test_layout_worker_register_binds_each_layer_and_names_the_one_that_does_not
 def test_layout_prefill_on_flashattention_nhd_streams_to_decode_on_flashinfer_hnd_exactly():
     """The stream carries [1, H_kv, P, D]: instances on different layouts interoperate (full tier, tolerance 0)."""
     from lynx_hf import LynxQuantConfig
-    from lynx_hf.vllm.hooks import LoadMeta, SaveMeta, StepMeta
+    from lynx_hf.vllm.scheduler import LoadMeta, SaveMeta, StepMeta
     from lynx_hf.vllm.stream import KVPublisher
     from lynx_hf.vllm.worker import WorkerSide
     import time

@@ -3,7 +3,7 @@ import logging
 
 import pytest
 
-from lynx_hf.vllm.hooks import PRICED, SchedulerSide
+from lynx_hf.vllm.scheduler import PRICED, SchedulerSide
 from lynx_hf.vllm.pricing import EXPLORE, EXPLORE_OTHERS, HISTORY, MIN_STEPS, PRIOR, Ledger, Pricing
 
 

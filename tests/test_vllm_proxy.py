@@ -6,7 +6,7 @@ import json
 
 from aiohttp import ClientSession, web
 
-from lynx_hf.vllm.proxy import Proxy, app
+from lynx_hf.vllm.serve.proxy import Proxy, app
 
 PROMPT_IDS = list(range(10, 22))
 

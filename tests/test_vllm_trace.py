@@ -1,11 +1,11 @@
-"""lynx_hf/vllm/trace.py (vllm-bench --trace's pure parts): a Mooncake-format trace read and checked, turns linked
+"""eval/benches/mooncake.py (vllm-bench --trace's pure parts): a Mooncake-format trace read and checked, turns linked
 to their parents, conversations chosen, prompts built per arm, bytes accounted."""
 import json
 
 import pytest
 
-from lynx_hf.vllm import trace as tr
-from lynx_hf.vllm.bench import percentile
+from lynx_hf.eval.benches import mooncake as tr
+from lynx_hf.eval.benches.vllm_bench import percentile
 
 ROWS = [{"timestamp": 0, "input_length": 1500, "output_length": 512, "hash_ids": [1, 2, 3]},
         {"timestamp": 5, "input_length": 600, "output_length": 40, "hash_ids": [9, 8]},
@@ -62,7 +62,7 @@ def test_turn_stats_and_bytes_per_position():
 
 
 def test_vllm_bench_refuses_a_bad_trace_before_any_server_starts(tmp_path, capsys, monkeypatch):
-    from lynx_hf.vllm import bench
+    from lynx_hf.eval.benches import vllm_bench as bench
 
     monkeypatch.setattr(bench, "serve", lambda *a, **k: pytest.fail("a server started"))
     model = tmp_path / "m"

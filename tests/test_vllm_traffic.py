@@ -11,7 +11,7 @@ import torch
 
 from lynx_hf import LynxQuantConfig
 from lynx_hf.vllm import paged, worker
-from lynx_hf.vllm.hooks import SchedulerSide
+from lynx_hf.vllm.scheduler import SchedulerSide
 from lynx_hf.vllm.stream import KVPublisher, KVSpec, stream_tier, token_digest
 
 SECRET, FP = b"traffic", "fp"

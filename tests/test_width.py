@@ -14,7 +14,7 @@ from lynx_hf.quant import encode
 from lynx_hf.transfer.decode import DecodeClient
 from lynx_hf.transfer.serde import segment_bound
 from lynx_hf.transfer.wire import RequestRefused
-from lynx_hf.vllm.hooks import ParamsError, codec_config
+from lynx_hf.vllm.scheduler import ParamsError, codec_config
 from lynx_hf.width import (KEPT_PER_STEP, WidthChoice, WidthPolicy, forecast, resolve, step_from_trace,
                            values_per_position)
 

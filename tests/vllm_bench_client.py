@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 
-from lynx_hf.vllm.servers import serve, speculative, stop, wait_up
+from lynx_hf.eval.benches.vllm_servers import serve, speculative, stop, wait_up
 
 N, OUT, RATE = int(os.environ.get("LYNX_BC_N", 4)), 32, os.environ.get("LYNX_BC_RATE", "1")
 
@@ -42,7 +42,7 @@ def main_():
     procs = [serve(model, P, KV, "kv_producer", secret, log),
              serve(model, D, KV, "kv_consumer", secret, log, speculative(8))]
     proxy = lambda port, method, shadows: subprocess.Popen(  # noqa: E731
-        [sys.executable, "-m", "lynx_hf.vllm.proxy", "--prefill", f"http://127.0.0.1:{P}", "--decode",
+        [sys.executable, "-m", "lynx_hf.vllm.serve.proxy", "--prefill", f"http://127.0.0.1:{P}", "--decode",
          f"http://127.0.0.1:{D}", "--kv-port", str(KV), "--port", str(port), "--method", method,
          "--shadows", str(shadows)], stdout=log, stderr=subprocess.STDOUT)
     proxies = [proxy(A, "lynx", 2), proxy(B, "int8", 0)]

@@ -33,7 +33,7 @@ import time
 
 import aiohttp
 
-from lynx_hf.vllm.servers import metrics, serve, speculative, stop, wait_up
+from lynx_hf.eval.benches.vllm_servers import metrics, serve, speculative, stop, wait_up
 from vllm_traffic import chi2_sf
 
 N_REQ, M, PROMPT, CONCURRENCY, BINS = 260, 9, 96, 12, 20  # 260 x 8 = 2,080 tested tokens a setting
@@ -175,7 +175,7 @@ def main():
              serve(model, D, KV, "kv_consumer", secret, log, speculative(8), bandwidth_mbps=MBPS, quant=QUANT,
                    more={"price_shadows": False})]  # (every shadow drafts: the test is of drafted sampling)
     procs.append(subprocess.Popen(
-        [sys.executable, "-m", "lynx_hf.vllm.proxy", "--prefill", f"http://127.0.0.1:{P}", "--decode",
+        [sys.executable, "-m", "lynx_hf.vllm.serve.proxy", "--prefill", f"http://127.0.0.1:{P}", "--decode",
          f"http://127.0.0.1:{D}", "--kv-port", str(KV), "--port", str(A), "--shadows", "1", "--draft-budget", str(M)],
         stdout=log, stderr=subprocess.STDOUT))
     out = {}

@@ -38,7 +38,7 @@ def layout_matches_vllm_op() -> bool:
 def main():
     from transformers import AutoTokenizer
 
-    from lynx_hf.vllm.pd import LynxPD, RequestFailed
+    from lynx_hf.vllm.serve.pd import LynxPD, RequestFailed
 
     model, port = sys.argv[1], int(sys.argv[2])
     out = {"layout": layout_matches_vllm_op()}

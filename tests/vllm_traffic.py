@@ -25,8 +25,8 @@ import urllib.request
 
 import aiohttp
 
-from lynx_hf.vllm.bench import first_difference, gap  # noqa: F401 — (the package's helpers, shared with the bench)
-from lynx_hf.vllm.servers import serve, wait_up
+from lynx_hf.eval.benches.vllm_bench import first_difference, gap  # noqa: F401 — (the package's helpers, shared with the bench)
+from lynx_hf.eval.benches.vllm_servers import serve, wait_up
 
 NEW, PLAIN_NEW, N_PLAIN, N_SAMPLED = 32, 300, 6, 64
 
@@ -209,7 +209,7 @@ def main():
                                                        "model": "lynx_hf.vllm.proposer.LynxProposer"})],
                    more={"price_shadows": False})]  # (every shadow admitted: KV pressure and drafted sampling tested)
     proxy = lambda port, shadows: subprocess.Popen(  # noqa: E731
-        [sys.executable, "-m", "lynx_hf.vllm.proxy", "--prefill", f"http://127.0.0.1:{P}", "--decode",
+        [sys.executable, "-m", "lynx_hf.vllm.serve.proxy", "--prefill", f"http://127.0.0.1:{P}", "--decode",
          f"http://127.0.0.1:{D}", "--kv-port", str(KV), "--port", str(port), "--shadows", str(shadows)],
         stdout=log, stderr=subprocess.STDOUT)
     proxies = [proxy(A, 2), proxy(B, 0)]

@@ -16,7 +16,7 @@ import sys
 def main():
     from transformers import AutoTokenizer
 
-    from lynx_hf.vllm.pd import LynxPD
+    from lynx_hf.vllm.serve.pd import LynxPD
 
     model, port = sys.argv[1], int(sys.argv[2])
     tok = AutoTokenizer.from_pretrained(model)

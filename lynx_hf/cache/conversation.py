@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import threading
 import weakref
 
@@ -355,3 +356,17 @@ def prompt_key(ids: torch.Tensor, mask: torch.Tensor) -> str:
     h.update(ids.detach().long().cpu().numpy().tobytes())
     h.update(mask.numpy().tobytes())
     return h.hexdigest()
+
+
+@torch.no_grad()
+def extend_here(model, cache, input_ids: torch.Tensor, start: int) -> None:
+    """Run the new positions [start, L) of `input_ids` through `model` on `cache` (after `continue_turn`), as
+    Transformers does with its own caches: their KV joins the held KV in full precision and the last position's
+    logits become the turn's first-token logits. The cache then serves `input_ids` as a fresh prompt."""
+    L = input_ids.shape[1]
+    kw = {}
+    if "position_ids" in inspect.signature(model.forward).parameters:
+        kw["position_ids"] = torch.arange(start, L, device=input_ids.device)[None]
+    out = model(input_ids=input_ids[:, start:], cache=cache, use_cache=True, logits_to_keep=1, **kw)
+    cache.conversation.begin_range(input_ids, extend=True)
+    cache.prefill_logits = out.logits[:, -1]

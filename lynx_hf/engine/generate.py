@@ -18,7 +18,7 @@ import time
 from ..arch import refuse_encoder_decoder
 from ..cache import LynxCache
 from ..config import SpecConfig
-from ..local import extend_here
+from ..cache.conversation import extend_here
 from .drafters import ChainDrafter, TreeDrafter
 from .policy import DraftPolicy
 from .state import DecodeState

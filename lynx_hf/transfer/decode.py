@@ -21,7 +21,7 @@ from ..config import LynxQuantConfig, SpecConfig
 from ..engine.warm import warm_up
 from ..errors import ConfigError
 from ..loader import Loader
-from ..local import extend_here
+from ..cache.conversation import extend_here
 from ..session import PLACES, Placement, Session, TurnResult, check_turn, decode_turn
 from ..width import WidthPolicy, kept_width, resolve, step_from_trace, step_times, values_per_position
 from .prefix_cache import token_digest

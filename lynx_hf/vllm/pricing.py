@@ -1,5 +1,5 @@
 """Shadows only where they pay: the decode instance prices a transfer's shadows, from its own engine's steps,
-before it admits one (hooks.py calls `Pricing.admit`).
+before it admits one (scheduler.py calls `Pricing.admit`).
 
 Terms. A *step* is one scheduler step of the decode engine: the time from one `build_connector_meta` call to the
 next while requests run (the forward, the sampler, the proposer, and the worker's KV placement), and the tokens n

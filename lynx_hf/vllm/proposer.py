@@ -13,7 +13,8 @@ Ownership. vLLM hands the proposer rows, not request ids (`propose(sampled_token
 token_ids_cpu)`), so rows are matched by content, and content is made unambiguous before any draft is given: the
 connector's scheduler side sees every request's prompt and leaves out of `drafting()` any transfer that another
 live request could be mistaken for (duplicate prompts, a prompt extending it, a plain request starting with its
-P prompt tokens: hooks.py's *rivals*), and a step in which more rows match a transfer than it has requests gives that
+P prompt tokens: scheduler.py's *rivals*), and a step in which more rows match a transfer than it has requests gives
+that
 transfer none. So only a transfer's own rows get its drafts, and a plain request decodes as it would without the
 proposer (apart from vLLM's engine-wide padding of a resumed request's first step). A source outlives its row (S
 may finish before R runs) until its transfer ends."""

@@ -1,4 +1,4 @@
-"""The connector's worker-side logic as plain Python (hooks.py has the terms and the scheduler side): the paged KV
+"""The connector's worker-side logic as plain Python (scheduler.py has the terms and the scheduler side): the paged KV
 (`register`), the encoder and publisher on the prefill instance, the transfers and loads on the decode instance.
 
 Hooks: `handle_preemptions` and `begin_step` (start_load_kv) take the step's metadata; `save_layer`
@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import paged
-from .hooks import TIERS, LoadMeta, StepMeta, codec_config
+from .scheduler import TIERS, LoadMeta, StepMeta, codec_config
 from .stream import KVPublisher, KVSpec, Subscription, encode_layer
 
 log = logging.getLogger("lynx_hf.vllm")
