@@ -25,13 +25,15 @@ def lynx_generate(model, ids, kv, logits, cfg, after, max_new_tokens=N_NEW, **kw
 
 
 def test_greedy_is_lossless_on_20_prompts(model_and_tok, eval_prompts):
+    """Every prompt with the longest draft run (31 steps), and one of the other residual schedules in turn (none,
+    1 and 5 draft steps: each on 6 or 7 of the 20 prompts)."""
     model, tok = model_and_tok
     cfg = Q()
     drafted = accepted = 0
-    for ids in eval_prompts:
+    for i, ids in enumerate(eval_prompts):
         kv, logits = prefill(model, ids)
         ref = full_tier_greedy(model, ids.shape[1], kv, logits, cfg, N_NEW)[0]
-        for after in (0, 1, 5, 31):
+        for after in ((0, 1, 5)[i % 3], 31):
             got, st = lynx_generate(model, ids, kv, logits, cfg, after, do_sample=False)
             assert got == ref[:len(got)] and (len(got) == N_NEW or got[-1] == tok.eos_token_id), (ids.shape, after)
             assert st["drafted"] == (0 if after == 0 else min(after, N_NEW - 1))
