@@ -13,12 +13,14 @@ Statistic: the randomized probability integral transform. For each sample and dr
 in a fixed order (descending exact probability, ties by id), u = F(x−) + W·p(x), W ~ U(0, 1), under the exact
 conditional distribution given that sample's prefix. Under H0 the u's are iid U(0, 1), across positions of one
 sequence too (each is uniform given everything before it); 20 equal bins, χ² with 19 degrees of freedom. A correct
-implementation fails with probability 1e-3 per test. The power check feeds the same statistic samples from the same
-Lynx path at a slightly lower temperature and must reject.
+implementation fails with probability 1e-3 per test. The power check feeds the same statistic the t1 test's samples
+against the exact distribution at a slightly lower temperature and must reject.
 
-Run time: ~3 CPU-minutes a test (2,000 samples; the power test's 3.1), so ~2 minutes each alone on 2 cores.
+Run time: ~3 CPU-minutes a setting (2,000 samples), so ~1.5 minutes each alone on 2 cores; the power check reuses
+the t1 setting's samples (seconds).
 Measured: t1 p 0.33 (drafts accepted at positions 1, 2 in 1,445 and 964 of 2,000 samples), t0.8/top-k 40/top-p 0.9
-p 0.39 (1,513, 995); the power check at temperature 0.95 p 2.5e-11 with a mean total-variation distance of 0.048."""
+p 0.39 (1,513, 995); the power check (the t1 samples against temperature 0.95) p 1.1e-8 with a mean total-variation
+distance of 0.048."""
 import pytest
 import torch
 from transformers import DynamicCache, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
@@ -109,14 +111,18 @@ def chi2_uniform(u: torch.Tensor) -> tuple[float, list[int]]:
     return float(chisquare(counts).pvalue), counts
 
 
-def run(model, prompt, gen: dict, ref: dict, seed: int, tv_gen: dict | None = None):
-    """BATCHES batches sampled with `gen`, tested against the exact distribution under `ref`. Returns (p, counts,
-    accepted drafts per position [K], samples, mean total-variation distance between the sampling and the
-    reference distribution at the first batch's tested positions, when tv_gen is given)."""
+def sample(model, prompt, gen: dict, seed: int) -> list:
+    """BATCHES batches sampled with `gen`: [(tokens [BATCH, K + 1], accepted drafts per row [BATCH])]."""
+    return [lynx_batch(model, prompt, gen, seed + b) for b in range(BATCHES)]
+
+
+def run(model, prompt, batches: list, ref: dict, seed: int, tv_gen: dict | None = None):
+    """The sampled `batches` tested against the exact distribution under `ref`. Returns (p, counts, accepted drafts
+    per position [K], samples, mean total-variation distance between the `tv_gen` and the reference distribution at
+    the first batch's tested positions, when tv_gen is given)."""
     g = torch.Generator().manual_seed(seed)
     us, acc, tvs = [], torch.zeros(K, dtype=torch.long), []
-    for b in range(BATCHES):
-        tokens, accepted = lynx_batch(model, prompt, gen, seed + b)
+    for b, (tokens, accepted) in enumerate(batches):
         probs = exact_probs(model, prompt, tokens, ref)
         live = torch.cumprod(torch.cat([torch.ones(BATCH, 1, dtype=torch.bool), tokens[:, :K] != EOS], 1)
                              [:, :K].long(), 1).bool()  # positions before any EOS (a finished row is padded)
@@ -127,7 +133,13 @@ def run(model, prompt, gen: dict, ref: dict, seed: int, tv_gen: dict | None = No
             tvs.append(0.5 * (exact_probs(model, prompt, tokens, tv_gen) - probs).abs().sum(-1)[live])
     p, counts = chi2_uniform(torch.cat(us))
     tv = float(torch.cat(tvs).mean()) if tvs else None
-    return p, counts, acc.tolist(), BATCH * BATCHES, tv
+    return p, counts, acc.tolist(), BATCH * len(batches), tv
+
+
+@pytest.fixture(scope="module")
+def t1_batches(model_and_tok, prompt):
+    """The t1 setting's samples, drawn once: its test and the power check both read them."""
+    return sample(model_and_tok[0], prompt, SETTINGS["t1"], seed=1000)
 
 
 EOS = 2  # the default model's eos_token_id
@@ -135,26 +147,27 @@ EOS = 2  # the default model's eos_token_id
 
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", list(SETTINGS))
-def test_chi2_drafted_tokens_follow_the_full_tier_distribution(model_and_tok, prompt, setting):
+def test_chi2_drafted_tokens_follow_the_full_tier_distribution(model_and_tok, prompt, setting, request):
     """2,000 sampled generations; the tokens at the 2 drafted positions (4,000 PIT values) against the exact
     full-tier distribution with the request's temperature / top-k / top-p: χ² p > 1e-3; drafts were accepted at both
     positions in a good share of samples (and rejected in others). Run time and results: the module docstring."""
     model, _ = model_and_tok
     gen = SETTINGS[setting]
-    p, counts, accepted, n, _ = run(model, prompt, gen, gen, seed=1000 if setting == "t1" else 2000)
+    batches = request.getfixturevalue("t1_batches") if setting == "t1" else sample(model, prompt, gen, seed=2000)
+    p, counts, accepted, n, _ = run(model, prompt, batches, gen, seed=1000 if setting == "t1" else 2000)
     print(setting, "p", p, "accepted per position", accepted, "of", n, counts)
     assert all(0.2 * n < a < 0.95 * n for a in accepted), accepted  # drafts accepted (and rejected) at each position
     assert p > CRITICAL, (p, counts)
 
 
 @pytest.mark.slow
-def test_chi2_detects_a_small_temperature_bias(model_and_tok, prompt):
-    """Power: the same statistic on 2,000 samples of the same Lynx path at temperature 0.95, against the exact
-    distribution at 1.0, rejects (p < 1e-3). The bias is small: its mean total-variation distance from the exact
+def test_chi2_detects_a_small_temperature_bias(model_and_tok, prompt, t1_batches):
+    """Power: the same statistic on the t1 test's 2,000 samples (temperature 1.0), against the exact distribution at
+    temperature 0.95, rejects (p < 1e-3). The bias is small: its mean total-variation distance from the samples'
     distribution at the tested positions is printed and bounded (measured: 0.094 at temperature 0.9, p 4e-42)."""
     model, _ = model_and_tok
-    biased = dict(SETTINGS["t1"], temperature=0.95)
-    p, counts, accepted, n, tv = run(model, prompt, biased, SETTINGS["t1"], seed=3000, tv_gen=biased)
+    cooler = dict(SETTINGS["t1"], temperature=0.95)
+    p, counts, accepted, n, tv = run(model, prompt, t1_batches, cooler, seed=3000, tv_gen=SETTINGS["t1"])
     print("biased p", p, "mean TV", tv, "accepted", accepted, counts)
     assert tv < 0.06, tv
     assert p < CRITICAL, (p, counts)
