@@ -95,7 +95,7 @@ def test_the_scheduler_side_keeps_each_transfers_ledger_and_prices_shadows_besid
                             ({"r-x": 3}, [("r-x", None, 106)])):
         t[0] += 0.1
         s.step_meta([], computed, sched)
-    assert s._xfers["x"].ledger == [3, 9, 3, 1]
+    assert s._xfers["x"].ledger == Ledger(shadow_tokens=3, drafted=9, accepted=3, overlap=1)
     shadow = s.finished("s0", None)["lynx"]["timeline"]
     assert shadow == {"admitted": 0.0, "first_step": pytest.approx(0.1), "last_step": pytest.approx(0.3), "steps": 3,
                       "batch_mean": 1.33}

@@ -26,7 +26,7 @@ behind it are in `state()`; docs/vllm.md ("Under load") states the rule with the
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..floors import line
 
@@ -46,6 +46,10 @@ class Ledger:
     drafted: float
     accepted: float
     overlap: float = 0.0
+
+    def plus(self, **more: float) -> "Ledger":
+        """This ledger with `more` added to the named terms."""
+        return replace(self, **{k: getattr(self, k) + v for k, v in more.items()})
 
 
 PRIOR = Ledger(shadow_tokens=62.0, drafted=31.0, accepted=27.0, overlap=16.0)  # one request alone: 2 x 31, 27 kept

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from ..config import LynxQuantConfig
 from ..errors import ConfigError
@@ -201,6 +201,17 @@ class _Seen:
 
 
 @dataclass
+class _Steps:
+    """One member's timeline on the scheduler clock (s): admitted (got blocks for its load), its first and last step,
+    its steps and the sum of the batch sizes it ran in."""
+    admitted: float
+    first_step: float | None = None
+    last_step: float | None = None
+    steps: int = 0
+    batch: int = 0
+
+
+@dataclass
 class _Xfer:
     """A live transfer (decode instance, scheduler side)."""
     P: int
@@ -218,9 +229,9 @@ class _Xfer:
     rivals: set = field(default_factory=set)
     verdict: bool | None = None                  # the pricing rule's, for all its shadows (asked once)
     greedy: bool = False                         # its shadows decode greedily (the ledger's kind)
-    ledger: list = field(default_factory=lambda: [0, 0, 0, 0])  # S, D, A, S_R (pricing.py's terms)
+    ledger: Ledger = field(default_factory=lambda: Ledger(0, 0, 0, 0))  # pricing.py's S, D, A, S_R
     r_last: tuple | None = None                  # R's (computed, scheduled) in the last step it ran
-    times: dict = field(default_factory=dict)    # member -> its timeline (`_timeline`)
+    times: dict[str, _Steps] = field(default_factory=dict)  # member -> its timeline (`_timeline`)
     others: int | None = None                    # requests beside it when its first shadow was priced
     priced_out: int = 0                          # shadows the pricing rule refused
 
@@ -425,8 +436,7 @@ class SchedulerSide:
             self.held += x.bound
             x.rivals = {r for r, seen in self._prompts.items() if seen.claims != xfer and _starts_with(seen.ids, x)}
         x.members.add(req_id)
-        x.times.setdefault(req_id, {"admitted": self.clock(), "first_step": None, "last_step": None, "steps": 0,
-                                    "batch": 0})  # (a preempted R reloading keeps its first admission)
+        x.times.setdefault(req_id, _Steps(self.clock()))  # (a preempted R reloading keeps its first admission)
         self._pass_alloc.add(req_id)
         if p["tier"] == "full":
             x.r, x.r_state = req_id, "loading"
@@ -478,15 +488,15 @@ class SchedulerSide:
             for m in ((x.members | {x.r}) & self._running) - {None}:
                 t = x.times.get(m)
                 if t is not None:
-                    t["first_step"] = now if t["first_step"] is None else t["first_step"]
-                    t["last_step"], t["steps"], t["batch"] = now, t["steps"] + 1, t["batch"] + len(num_scheduled)
+                    t.first_step = now if t.first_step is None else t.first_step
+                    t.last_step, t.steps, t.batch = now, t.steps + 1, t.batch + len(num_scheduled)
             if not x.shadows:
                 continue
             s_tokens = sum(num_scheduled.get(m, 0) for m in x.members if m != x.r)
-            x.ledger[0] += s_tokens
+            x.ledger = x.ledger.plus(shadow_tokens=s_tokens)
             if x.r not in num_scheduled or x.r not in computed:
                 continue
-            x.ledger[3] += s_tokens
+            x.ledger = x.ledger.plus(overlap=s_tokens)
             self._book(x, computed[x.r])
             # (R's first step: vLLM's K placeholder drafts for a request that loaded remote KV, whatever the method)
             x.r_last = (computed[x.r], 1 if x.r_last is None else num_scheduled[x.r])
@@ -497,8 +507,7 @@ class SchedulerSide:
         computed tokens moved on since): `computed` is R's count now."""
         if x.r_last is not None and x.r_last[1] > 1:
             k = x.r_last[1] - 1
-            x.ledger[1] += k
-            x.ledger[2] += min(k, max(0, computed - x.r_last[0] - 1))
+            x.ledger = x.ledger.plus(drafted=k, accepted=min(k, max(0, computed - x.r_last[0] - 1)))
 
     def _saves(self, meta: StepMeta, new_reqs, cached, num_scheduled, preempted: set, resumed: set) -> None:
         for rid in preempted & set(self._produce):  # its blocks are gone: a resumed one brings a whole new table
@@ -560,18 +569,17 @@ class SchedulerSide:
         R's drafts verified and kept — not counting vLLM's placeholders on its first step, which /metrics counts —,
         shadow tokens in R's steps), the shadows priced out and the real requests beside it when priced."""
         t = x.times.pop(req_id)
-        out = {**{k: t[k] for k in ("admitted", "first_step", "last_step", "steps")},
-               "batch_mean": round(t["batch"] / t["steps"], 2) if t["steps"] else None}
+        out = {"admitted": t.admitted, "first_step": t.first_step, "last_step": t.last_step, "steps": t.steps,
+               "batch_mean": round(t.batch / t.steps, 2) if t.steps else None}
         if req_id == x.r:
-            out.update(shadow_tokens=x.ledger[0], drafted=x.ledger[1], accepted=x.ledger[2], overlap=x.ledger[3],
-                       priced_out=x.priced_out, others=x.others)
+            out.update(asdict(x.ledger), priced_out=x.priced_out, others=x.others)
         return out
 
     def _end(self, xfer: str) -> None:
         x = self._xfers.pop(xfer)
         self.held -= x.bound
         if x.shadows:
-            self.pricing.ended(Ledger(*x.ledger), x.greedy)
+            self.pricing.ended(x.ledger, x.greedy)
         self._closed.append(xfer)
         self._ended[xfer] = self.clock()
         while len(self._ended) > MAX_ENDED:
