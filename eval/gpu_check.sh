@@ -30,7 +30,7 @@ fi
 P=.venv-gpu/bin/python
 nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv | tee "$OUT/gpu.txt"
 echo "== 1. Triton kernels vs reference (codes exact, decode within the stated tolerance)"
-LYNX_TEST_DEVICE=cuda timeout 240 $P -m pytest -q -p no:cacheprovider tests/test_kernels.py -k triton 2>&1 \
+LYNX_TEST_DEVICE=cuda timeout 240 $P -m pytest -q -p no:cacheprovider -n 0 tests/test_kernels.py -k triton 2>&1 \
   | tee "$OUT/kernels.txt" | tail -3
 echo "== 2. codec GB/s vs copy_ on the GPU"
 timeout 180 $P -m lynx_hf.cli bench codec --device cuda --reps 10 | tee "$OUT/bench_codec.txt" | tail -12

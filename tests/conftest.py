@@ -1,6 +1,13 @@
 import os
 from pathlib import Path
 
+# The fast tier runs on pytest-xdist's workers (pyproject.toml: `-n auto --dist loadfile`): each worker gets its share
+# of the cores for its thread pools, set before torch starts them (two workers of two threads each on two cores ran
+# the fast tier in 3:10, one thread each in 2:06). `bash bootstrap.sh test` runs both tiers in one process (`-n 0`).
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // _workers))
+
 # Triton kernels run on CPU tensors through the interpreter here; this must be set before triton is imported.
 try:
     import torch
