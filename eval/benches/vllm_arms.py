@@ -5,6 +5,7 @@ of outputs against their references, per-arm statistics, the table and the CDF p
 judge_rows) import neither vLLM nor aiohttp."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -166,6 +167,29 @@ def judge_rows(rows: list[dict], alone: dict) -> None:
 
 
 # -- against the servers ---------------------------------------------------------------------------------------
+@contextlib.asynccontextmanager
+async def proxies(engines: tuple, port: int, new_tokens: int):
+    """One proxy an arm (ARMS' order) on ports port + 3.. in front of the engines, the KV stream on port + 2 →
+    {arm: its /v1/completions URL}; every proxy stopped on exit."""
+    from aiohttp import web
+
+    from lynx_hf.vllm.serve.proxy import Proxy, app
+
+    runners, url = [], {}
+    try:
+        for j, (name, (method, shadows)) in enumerate(ARMS.items()):
+            proxy = Proxy(*engines, "127.0.0.1", port + 2, method, max(1, new_tokens - 1),
+                          release=(0.0, 0.5)[:shadows])
+            runners.append(web.AppRunner(app(proxy)))
+            await runners[-1].setup()
+            await web.TCPSite(runners[-1], "127.0.0.1", port + 3 + j).start()
+            url[name] = f"http://127.0.0.1:{port + 3 + j}/v1/completions"
+        yield url
+    finally:
+        for r in runners:
+            await r.cleanup()
+
+
 async def one(session, url: str, body: dict, due: float, n32: int) -> dict:
     """Stream one request; times from `due` (perf_counter). Never raises: a failure is the row's `error`."""
     from lynx_hf.vllm.serve.proxy import XFER_HEADER, sse

@@ -33,7 +33,7 @@ from lynx_hf.eval.benches import vllm_timeline
 from lynx_hf.eval.benches.vllm_arms import (  # noqa: F401 — the load generator's names (re-exported)
     ARMS, MEASURED, REFERENCE, FIGURES, RATIOS, DEFAULT_RATE, NEAR_TIE, MAX_MODEL_LEN, PORTS, DRAFTED, ACCEPTED,
     PREEMPTED, ENGINE_FLAGS, schedule, percentile, first_difference, gap, judge, plan, arm_stats, summary,
-    over_rounds, COLUMNS, table, judge_rows, one, run_arm, run_alone, plot)
+    over_rounds, COLUMNS, table, judge_rows, one, run_arm, run_alone, plot, proxies)
 from lynx_hf.eval.benches.vllm_servers import free_base, serve, speculative, stop, wait_up
 from lynx_hf.eval.benches.vllm_servers import parse_metrics  # noqa: F401 — one of the pure parts (vllm_servers.py imports no vLLM, no aiohttp)
 
@@ -42,20 +42,12 @@ async def bench(a, reqs: list, arrivals: list, engines: tuple, warm: list, say) 
     """Proxies, a warm-up, `a.repeat` rounds of every arm on the same arrivals (the order rotated by one each
     round), one alone run per reference, the judgment → {"orders": [per round], "rounds": [{arm: run_arm's}],
     "alone": {reference: {i: row}}}."""
-    from aiohttp import web
     from tqdm import tqdm
 
     from lynx_hf.floors import rotated
-    from lynx_hf.vllm.serve.proxy import Proxy, app
 
-    n32, runners, url = min(32, a.new_tokens), [], {}
-    for j, (name, (method, shadows)) in enumerate(ARMS.items()):
-        runners.append(web.AppRunner(app(Proxy(*engines, "127.0.0.1", a.port + 2, method, max(1, a.new_tokens - 1),
-                                               release=(0.0, 0.5)[:shadows]))))
-        await runners[-1].setup()
-        await web.TCPSite(runners[-1], "127.0.0.1", a.port + 3 + j).start()
-        url[name] = f"http://127.0.0.1:{a.port + 3 + j}/v1/completions"
-    try:
+    n32 = min(32, a.new_tokens)
+    async with proxies(engines, a.port, a.new_tokens) as url:
         say("warm-up: one short greedy request through each proxy")
         for name in ARMS:
             w = await run_alone(url[name], [{**reqs[0], "prompt": warm, "max_tokens": 4}], [0], 1, a.timeout_s)
@@ -74,9 +66,6 @@ async def bench(a, reqs: list, arrivals: list, engines: tuple, warm: list, say) 
         for ref in refs:
             alone[ref] = await run_alone(url[ref], reqs, idx, n32, a.timeout_s, bar)
         bar.close()
-    finally:
-        for r in runners:
-            await r.cleanup()
     for arms in rounds:
         for name, run in arms.items():
             judge_rows(run["rows"], alone[REFERENCE[name]])

@@ -112,11 +112,9 @@ def account(rows: list, log_path: Path, trace_rows: list, convs: list, parents: 
 
 async def run(a, engines: tuple, text: list, log_path: Path, say) -> dict:
     """Proxies, a warm-up, each arm's replay, the fresh references, the accounting → (summary, detail)."""
-    from aiohttp import web
     from tqdm import tqdm
 
-    from lynx_hf.eval.benches.vllm_arms import ARMS, run_alone, schedule
-    from lynx_hf.vllm.serve.proxy import Proxy, app
+    from lynx_hf.eval.benches.vllm_arms import ARMS, proxies, run_alone, schedule
 
     rows = tr.read_trace(a.trace)
     convs = tr.conversations(rows, a.trace_conversations, a.trace_scale, TRACE_MAX_LEN, a.new_tokens)
@@ -127,14 +125,7 @@ async def run(a, engines: tuple, text: list, log_path: Path, say) -> dict:
     bodies, starts = plan_trace(rows, convs, text, a, model), schedule(len(convs), a.rate, a.seed)
     say(f"trace {a.trace}: {len(convs)} conversations, {sum(map(len, convs))} turns per arm "
         f"(trace requests {[c for c in convs]}), {a.trace_scale} tokens per trace block")
-    runners, url = [], {}
-    for j, (name, (method, shadows)) in enumerate(ARMS.items()):
-        runners.append(web.AppRunner(app(Proxy(*engines, "127.0.0.1", a.port + 2, method, max(1, a.new_tokens - 1),
-                                               release=(0.0, 0.5)[:shadows]))))
-        await runners[-1].setup()
-        await web.TCPSite(runners[-1], "127.0.0.1", a.port + 3 + j).start()
-        url[name] = f"http://127.0.0.1:{a.port + 3 + j}/v1/completions"
-    try:
+    async with proxies(engines, a.port, a.new_tokens) as url:
         for name in ARMS:  # (a short prompt outside every arm's region's blocks: nothing a turn could hit)
             await run_alone(url[name], [{**bodies["lynx"][0][0], "prompt": text[:40], "max_tokens": 4}], [0], 1,
                             a.timeout_s)
@@ -147,9 +138,6 @@ async def run(a, engines: tuple, text: list, log_path: Path, say) -> dict:
         for name in order:
             alone[name] = await alone_fresh(url[REFERENCE[name]], bodies[name], engines, a.timeout_s, bar)
         bar.close()
-    finally:
-        for r in runners:
-            await r.cleanup()
     methods = {}
     for name in order:
         rs = arms[name]["rows"]
