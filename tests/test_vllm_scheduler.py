@@ -103,6 +103,46 @@ def test_stream_tiers_equal_the_codec_exactly(method):
         pub.close()
 
 
+def _nice_of(name: str, before: set) -> int | None:
+    """The nice value of the thread called `name` started since `before` (Thread objects: idents are reused), None
+    if there is none."""
+    import os
+    import threading
+
+    ts = [t for t in threading.enumerate() if t.name == name and t not in before and t.is_alive()]
+    return os.getpriority(os.PRIO_PROCESS, ts[0].native_id) if ts else None
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "setpriority"), reason="no per-thread priorities here")
+def test_the_prefill_sides_kv_threads_run_below_the_engine_and_send_as_before():
+    """The encoder, the publisher and the sending thread it starts run `nice` below the thread that made them (the
+    KV stream's work yields the prefill core to the next forward), and the codes arrive exact; nice=0 keeps the
+    engine's priority."""
+    import os
+    import threading
+
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    P, cfg = SEGMENT_TOKENS + 5, LynxQuantConfig()
+    spec, kv, u = KVSpec(L, H, D, "float32", P), _kv(P), segment_tokens(LynxQuantConfig())
+    for nice in (10, 0):
+        before, want = set(threading.enumerate()), min(19, base + nice)
+        pub = KVPublisher("127.0.0.1", 0, SECRET, FP, bandwidth_bps=2e6, nice=nice)  # ~1.3 s of stream
+        w = WorkerSide({}, SECRET, FP, pub)
+        try:
+            _wait(lambda: _nice_of("lynx-kv-publisher", before) == want and _nice_of("lynx-kv-encode", before) == want)
+            pub.publish("x1", cfg, spec, "d", kv)
+            sub = Subscription("127.0.0.1", pub.port, SECRET, FP, "x1", cfg, spec, "d", timeout_s=20)
+            _wait(lambda: _nice_of("lynx-kv-send", before) is not None)
+            assert _nice_of("lynx-kv-send", before) == want
+            got = _collect(sub, P)
+            for i, (k, v) in enumerate(kv):
+                want_k = dequantize(encode(k[:, :, :u].contiguous(), cfg, "key", layer=(i, L)), "full")
+                assert torch.equal(got["full"][(i, "key", 0)], want_k)
+        finally:
+            w.close()
+            pub.close()
+
+
 def test_a_stream_starts_at_the_first_segment_the_decode_instance_lacks():
     """REQUEST names the first position the decode instance lacks (its prefix hit); the publisher streams from the
     grid's segment holding it, and the codes are those a fresh transfer carries there."""

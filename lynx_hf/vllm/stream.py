@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import os
 import socket
 import threading
 import time
@@ -45,6 +46,19 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 MAX_XFER_ID = 128
 MAX_PROMPT = 1 << 20
 MAX_REFUSALS = 1024
+
+
+def lower_priority(nice: int) -> None:
+    """Lower the calling thread's CPU priority by `nice` (Linux: a thread's own nice value; the threads it starts
+    inherit it), so the KV stream's work — encoding, MACs, pacing, sends, which a real node's NIC and DMA would do —
+    yields the prefill instance's cores to its forwards: a request's first token never waits for an earlier
+    request's KV. 0, or a platform without per-thread priorities: nothing."""
+    if nice > 0 and hasattr(os, "setpriority"):
+        try:
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+        except OSError as e:  # (raising one's own nice value is always allowed; a sandbox may still refuse)
+            log.info("kv stream: thread priority left as it was: %s", e)
 
 
 class StreamError(WireError):
@@ -156,7 +170,7 @@ class KVPublisher:
 
     def __init__(self, host: str, port: int, secret: bytes, fingerprint: str, bandwidth_bps: float | None = None,
                  latency_s: float = 0.0, max_bytes: int = 1 << 30, ttl_s: float = 600.0, timeout_s: float = 30.0,
-                 max_connections: int = 64):
+                 max_connections: int = 64, nice: int = 10):
         self.secret, self.fp, self.max_bytes, self.ttl_s, self.timeout_s = secret, fingerprint, max_bytes, ttl_s, \
             timeout_s
         self.nic = Nic(bandwidth_bps, latency_s)
@@ -168,6 +182,7 @@ class KVPublisher:
         self._stop = threading.Event()
         self._conns: set[Channel] = set()
         self._slots = threading.BoundedSemaphore(max_connections)  # one thread per connection, at most this many
+        self.nice = nice  # the KV stream's threads run this much below the engine (lower_priority)
         threading.Thread(target=self._accept_loop, name="lynx-kv-publisher", daemon=True).start()
 
     # -- the store ------------------------------------------------------------------------------------------------
@@ -246,6 +261,7 @@ class KVPublisher:
 
     # -- the server -----------------------------------------------------------------------------------------------
     def _accept_loop(self) -> None:
+        lower_priority(self.nice)  # (the sending threads it starts, and theirs, inherit it)
         while not self._stop.is_set():
             try:
                 conn, addr = self.sock.accept()

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from . import paged
 from .scheduler import TIERS, LoadMeta, StepMeta, codec_config
-from .stream import KVPublisher, KVSpec, Subscription, encode_layer
+from .stream import KVPublisher, KVSpec, Subscription, encode_layer, lower_priority
 
 log = logging.getLogger("lynx_hf.vllm")
 
@@ -79,6 +79,7 @@ class _Encoder:
             return self._cv.wait_for(lambda: self.queued_bytes == 0, timeout_s)
 
     def _run(self) -> None:
+        lower_priority(self.publisher.nice)  # the codec yields the core to the engine's next forward
         while True:
             job = self._jobs.get()
             if job is None:
