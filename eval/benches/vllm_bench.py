@@ -94,6 +94,9 @@ def _args(argv):
                     help="rounds: every arm once per round on the same arrivals, the order rotated each round; "
                          "figures are medians over rounds, ratios medians of per-round paired ratios (default 1)")
     ap.add_argument("--json", action="store_true", help="the table on stderr; end with one JSON line")
+    ap.add_argument("--kv-nice", type=count(19, lo=0), default=10,
+                    help="the prefill instance's KV threads this far below its engine (the connector's kv_nice; 0: "
+                         "level with it)")
     ap.add_argument("--shared-cores", action="store_true",
                     help="both engines on all cores (default: disjoint halves, as two serving nodes have their own)")
     ap.add_argument("--trace", help="replay agents' conversations from a Mooncake-format JSONL trace instead "
@@ -150,7 +153,7 @@ def main(argv=None) -> int:
         secret = secrets.token_hex(16)  # one for both instances
         cores = engine_cores(a)
         procs = [serve(a.model, a.port, a.port + 2, "kv_producer", secret, log, ENGINE_FLAGS, a.bandwidth_mbps,
-                       cores=cores["prefill"]),
+                       cores=cores["prefill"], more={"kv_nice": a.kv_nice}),
                  serve(a.model, a.port + 1, a.port + 2, "kv_consumer", secret, log,
                        [*ENGINE_FLAGS, *speculative(a.num_speculative_tokens)], cores=cores["decode"],
                        more={"transfer_log": str(tlog)})]
@@ -167,7 +170,8 @@ def main(argv=None) -> int:
            for arms in res["rounds"]]
     ph = timelines(res["rounds"], tlog)
     methods, spread, ratios = over_rounds(per)
-    s = {**summary(a.requests, a.rate, methods), "rounds": a.repeat, "ratios": ratios, "cores": cores}
+    s = {**summary(a.requests, a.rate, methods), "rounds": a.repeat, "ratios": ratios, "cores": cores,
+         "kv_nice": a.kv_nice}
     tt2t = {k: (spread_of([percentile([r["tt2t_s"] for r in arms[k]["rows"] if r["error"] is None], 50)
                            for arms in res["rounds"]]) or {}).get("median") for k in MEASURED}
     load = "; ".join(", ".join(f"{k} {arms[k]['loadavg_1min'][0]:.1f}/{arms[k]['loadavg_1min'][1]:.1f}"
