@@ -94,9 +94,9 @@ def _args(argv):
                     help="rounds: every arm once per round on the same arrivals, the order rotated each round; "
                          "figures are medians over rounds, ratios medians of per-round paired ratios (default 1)")
     ap.add_argument("--json", action="store_true", help="the table on stderr; end with one JSON line")
-    ap.add_argument("--kv-nice", type=count(19, lo=0), default=10,
-                    help="the prefill instance's KV threads this far below its engine (the connector's kv_nice; 0: "
-                         "level with it)")
+    ap.add_argument("--kv-nice", type=count(19, lo=0), default=0,
+                    help="the prefill instance's KV threads this far below its engine (the connector's kv_nice; "
+                         "default 0: level with it)")
     ap.add_argument("--shared-cores", action="store_true",
                     help="both engines on all cores (default: disjoint halves, as two serving nodes have their own)")
     ap.add_argument("--trace", help="replay agents' conversations from a Mooncake-format JSONL trace instead "

@@ -170,7 +170,7 @@ class KVPublisher:
 
     def __init__(self, host: str, port: int, secret: bytes, fingerprint: str, bandwidth_bps: float | None = None,
                  latency_s: float = 0.0, max_bytes: int = 1 << 30, ttl_s: float = 600.0, timeout_s: float = 30.0,
-                 max_connections: int = 64, nice: int = 10):
+                 max_connections: int = 64, nice: int = 0):
         self.secret, self.fp, self.max_bytes, self.ttl_s, self.timeout_s = secret, fingerprint, max_bytes, ttl_s, \
             timeout_s
         self.nic = Nic(bandwidth_bps, latency_s)
