@@ -1,6 +1,8 @@
 """Lynx inside vLLM without vLLM: the paged-cache twin, the KV stream between instances, the connector's hook twins
 (scheduler.py) and the proposer's draft book — each with the plain data vLLM would hand it. Tolerance 0 everywhere
 (codes, frames, token ids, and the dequantized tiers against `quant.dequantize` of the same codes)."""
+import os
+import threading
 import time
 from dataclasses import asdict
 
@@ -9,6 +11,7 @@ import pytest
 import torch
 
 from lynx_hf import LynxQuantConfig
+from lynx_hf.errors import ConfigError
 from lynx_hf.quant import dequantize, encode
 from lynx_hf.transfer.wire import SEGMENT_TOKENS
 from lynx_hf.vllm import paged
@@ -106,21 +109,18 @@ def test_stream_tiers_equal_the_codec_exactly(method):
 def _nice_of(name: str, before: set) -> int | None:
     """The nice value of the thread called `name` started since `before` (Thread objects: idents are reused), None
     if there is none."""
-    import os
-    import threading
-
     ts = [t for t in threading.enumerate() if t.name == name and t not in before and t.is_alive()]
     return os.getpriority(os.PRIO_PROCESS, ts[0].native_id) if ts else None
 
 
-@pytest.mark.skipif(not hasattr(__import__("os"), "setpriority"), reason="no per-thread priorities here")
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread priorities here")
 def test_the_prefill_sides_kv_threads_run_below_the_engine_and_send_as_before():
     """The encoder, the publisher and the sending thread it starts run `nice` below the thread that made them (the
     KV stream's work yields the prefill core to the next forward), and the codes arrive exact; nice=0 keeps the
-    engine's priority."""
-    import os
-    import threading
-
+    engine's priority; anything but an integer 0..19 is refused, naming the setting."""
+    for bad in (-1, 20, "10", 2.5, True):
+        with pytest.raises(ConfigError, match="kv_nice"):
+            KVPublisher("127.0.0.1", 0, SECRET, FP, nice=bad)
     base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     P, cfg = SEGMENT_TOKENS + 5, LynxQuantConfig()
     spec, kv, u = KVSpec(L, H, D, "float32", P), _kv(P), segment_tokens(LynxQuantConfig())

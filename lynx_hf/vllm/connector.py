@@ -156,7 +156,7 @@ class LynxConnector(KVConnectorBase_V1):
                                     bandwidth_bps=None if bw in (None, 0) else float(bw) * 1e6,
                                     latency_s=float(extra.get("latency_ms", 0)) / 1e3,
                                     max_bytes=held, ttl_s=float(extra.get("ttl_s", 600)),
-                                    nice=int(extra.get("kv_nice", 0)))
+                                    nice=extra.get("kv_nice", 0))
             log.info("Lynx KV stream on %s:%d (link %s Mbit/s)", host, publisher.port, bw or "unpaced")
         self._worker = WorkerSide(dict(extra.get("quant", {})), secret, model_fingerprint(vllm_config), publisher,
                                   float(extra.get("timeout_s", 60)), bool(extra.get("upgrade_shadows", True)),

@@ -51,8 +51,8 @@ MAX_REFUSALS = 1024
 def lower_priority(nice: int) -> None:
     """Lower the calling thread's CPU priority by `nice` (Linux: a thread's own nice value; the threads it starts
     inherit it), so the KV stream's work — encoding, MACs, pacing, sends, which a real node's NIC and DMA would do —
-    yields the prefill instance's cores to its forwards: a request's first token never waits for an earlier
-    request's KV. 0, or a platform without per-thread priorities: nothing."""
+    yields the prefill instance's cores to its forwards (docs/vllm.md measures when that pays). 0, or a platform
+    without per-thread priorities: nothing."""
     if nice > 0 and hasattr(os, "setpriority"):
         try:
             tid = threading.get_native_id()
@@ -171,6 +171,8 @@ class KVPublisher:
     def __init__(self, host: str, port: int, secret: bytes, fingerprint: str, bandwidth_bps: float | None = None,
                  latency_s: float = 0.0, max_bytes: int = 1 << 30, ttl_s: float = 600.0, timeout_s: float = 30.0,
                  max_connections: int = 64, nice: int = 0):
+        if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
+            raise ConfigError(f"kv_nice must be an integer from 0 to 19, not {nice!r}")
         self.secret, self.fp, self.max_bytes, self.ttl_s, self.timeout_s = secret, fingerprint, max_bytes, ttl_s, \
             timeout_s
         self.nic = Nic(bandwidth_bps, latency_s)
