@@ -191,7 +191,9 @@ def test_bench_smoke_on_the_embedded_model(tmp_path):
     log = tmp_path / "vllm_bench_servers.log"
     assert p.returncode == 0 and lines, p.stderr[-3000:] + (log.read_text()[-3000:] if log.exists() else "")
     s = json.loads(lines[-1])
-    assert list(s) == ["requests", "rate_per_s", "preemptions", "methods", "rounds", "ratios", "cores"]
+    assert list(s) == ["requests", "rate_per_s", "preemptions", "methods", "rounds", "ratios", "cores",
+                       "kv_nice"]
+    assert s["kv_nice"] == 0  # the default: the prefill side's KV threads level with its engine
     assert s["requests"] == 6 and s["rounds"] == 1 and s["ratios"]["tt32t_p90_lynx_ref"]["median"] > 0
     assert not set(s["cores"]["prefill"]) & set(s["cores"]["decode"])  # (this machine has two cores or more)
     assert set(s["methods"]) == {"lynx", "ref", "int8", "int4"}
