@@ -58,7 +58,9 @@ embedded_model() {  # the embedded model as an HF folder (converted once by the 
 cmd=${1:-demo}
 shift || true
 case "$cmd" in
-  test) exec .venv/bin/python -m pytest -q -m "slow or not slow" -n 0 "$@" ;;  # both tiers, one process (pytest: fast)
+  # both tiers: the fast one on pytest-xdist's workers (pyproject.toml), then the slow one in one process (-n 0: its
+  # servers and engines have the cores)
+  test) .venv/bin/python -m pytest -q "$@" && exec .venv/bin/python -m pytest -q -m slow -n 0 "$@" ;;
   vllm-env) vllm_env ;;
   vllm-demo) vllm_env; exec .venv-vllm/bin/python -m lynx_hf.eval.benches.vllm_demo --model "$(embedded_model)" "$@" ;;
   vllm-bench) vllm_env; exec .venv-vllm/bin/python -m lynx_hf.eval.benches.vllm_bench --model "$(embedded_model)" "$@" ;;
