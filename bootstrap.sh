@@ -55,12 +55,20 @@ PYEOF
 embedded_model() {  # the embedded model as an HF folder (converted once by the main environment)
   .venv/bin/python -c "from lynx_hf.model import DEFAULT_GGUF, converted_gguf, default_model_dir as d; print(converted_gguf(d(), DEFAULT_GGUF))"
 }
+run_tests() {  # both tiers: the fast one on pytest-xdist's workers (pyproject.toml), then the slow one in one process
+  # (-n 0: its servers and engines have the cores). A selection ("$@") may fall in one tier: pytest's "no tests ran"
+  # (exit 5) fails the command only when neither tier ran one.
+  local fast=0 slow=0
+  .venv/bin/python -m pytest -q "$@" || fast=$?
+  if [ "$fast" -ne 0 ] && [ "$fast" -ne 5 ]; then return "$fast"; fi
+  .venv/bin/python -m pytest -q -m slow -n 0 "$@" || slow=$?
+  if [ "$slow" -eq 5 ] && [ "$fast" -eq 0 ]; then return 0; fi
+  return "$slow"
+}
 cmd=${1:-demo}
 shift || true
 case "$cmd" in
-  # both tiers: the fast one on pytest-xdist's workers (pyproject.toml), then the slow one in one process (-n 0: its
-  # servers and engines have the cores)
-  test) .venv/bin/python -m pytest -q "$@" && exec .venv/bin/python -m pytest -q -m slow -n 0 "$@" ;;
+  test) run_tests "$@" ;;
   vllm-env) vllm_env ;;
   vllm-demo) vllm_env; exec .venv-vllm/bin/python -m lynx_hf.eval.benches.vllm_demo --model "$(embedded_model)" "$@" ;;
   vllm-bench) vllm_env; exec .venv-vllm/bin/python -m lynx_hf.eval.benches.vllm_bench --model "$(embedded_model)" "$@" ;;
