@@ -19,7 +19,9 @@ from lynx_hf.vllm.scheduler import (LoadMeta, ParamsError, SaveMeta, SchedulerSi
                                     full_salt,
                                 parse_params)
 from lynx_hf.vllm.proposer import DraftBook, LynxProposer, belongs
-from lynx_hf.vllm.stream import (KVPublisher, KVSpec, Subscription, segment_tokens, stream_tier,
+from lynx_hf.transfer.wire import Stream
+from lynx_hf.vllm import stream
+from lynx_hf.vllm.stream import (KVPublisher, KVSpec, Subscription, bundles, encode_layer, segment_tokens, stream_tier,
                                  token_digest)
 from lynx_hf.vllm.worker import WorkerSide
 
@@ -104,6 +106,26 @@ def test_stream_tiers_equal_the_codec_exactly(method):
         _wait(lambda: pub.stored_bytes == 0)  # streamed once, then dropped
     finally:
         pub.close()
+
+
+def test_a_layers_segments_go_as_one_frame_per_stream_within_the_bundle_bounds(monkeypatch):
+    """A layer's anchor segments travel as one SEGMENT frame and its residual ones as another (INT8's: one), in
+    order; a run splits at MAX_BUNDLE segments or BUNDLE_BYTES (a larger segment alone); what the decode instance
+    holds is not sent."""
+    P = 9 * segment_tokens(LynxQuantConfig()) + 13  # 10 segments a kind
+    k, v = _kv(P)[0]
+    for method, streams in (("lynx", [Stream.ANCHOR, Stream.RESIDUAL]), ("int8", [Stream.ANCHOR])):
+        frames = encode_layer(LynxQuantConfig(method=method), 0, L, k, v)
+        runs = bundles(frames, 0)
+        assert [st for st, _ in runs] == streams
+        assert [p for _, ps in runs for p in ps] == [p for _, _, p in frames]
+        first = 2 * segment_tokens(LynxQuantConfig())
+        assert [p for _, ps in bundles(frames, first) for p in ps] == [p for _, off, p in frames if off >= first]
+    monkeypatch.setattr(stream, "MAX_BUNDLE", 3)
+    assert [len(ps) for _, ps in bundles(frames, 0)] == [3, 3, 3, 3, 3, 3, 2]  # INT8's 20 segments (10 K, 10 V)
+    big = len(frames[0][2])
+    monkeypatch.setattr(stream, "BUNDLE_BYTES", big - 1)
+    assert [len(ps) for _, ps in bundles(frames[:4], 0)] == [1, 1, 1, 1]
 
 
 def _nice_of(name: str, before: set) -> int | None:

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from lynx_hf import LynxQuantConfig as Q
 from lynx_hf.quant import encode
-from lynx_hf.transfer.serde import check_residual, pack_segment, to_split, unpack_segment
+from lynx_hf.transfer.serde import (check_residual, pack_bundle, pack_segment, to_split, unpack_bundle,
+                                   unpack_segment)
 from lynx_hf.transfer.wire import (HEADER, MAX_PAYLOAD, VERSION, Frame, FrameType, SequenceChecker, Stream, WireError,
                                    parse_frame, encode_frame, json_frame)
 
@@ -140,6 +141,30 @@ def test_frame_macs_reject_forgery_reflection_and_untagged_frames():
 def test_fuzz_segment_payloads(data):
     try:
         unpack_segment(data)
+    except WireError:
+        pass
+
+
+def test_a_bundle_carries_its_segments_exactly_and_a_malformed_one_is_refused():
+    parts = [b"a", b"bc" * 100, bytes(range(256))]
+    assert [bytes(p) for p in unpack_bundle(pack_bundle(parts), 3, 512)] == parts
+    good = pack_bundle(parts)
+    bad = {"too short": b"\x01", "0 segments": pack_bundle([]), "4 segments": pack_bundle(parts + [b"d"]),
+           "over its bound": pack_bundle([b"x" * 513]), "empty segment": pack_bundle([b""]),
+           "truncated": good[:-1], "trailing": good + b"\x00", "lying length": good[:2] + struct.pack("<I", 9999)
+           + good[6:]}
+    for why, data in bad.items():
+        with pytest.raises(WireError):
+            unpack_bundle(data, 3, 512)
+            pytest.fail(why)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=400))
+def test_fuzz_bundles(data):
+    try:
+        for p in unpack_bundle(data, 8, 64):
+            assert 1 <= len(p) <= 64
     except WireError:
         pass
 

@@ -27,6 +27,7 @@ DTYPES = [torch.uint8, torch.float16, torch.bfloat16, torch.float32]
 AXES = ["channel", "token", ""]
 KINDS = ["key", "value"]
 MAX_TENSORS, MAX_NDIM, MAX_NAME = 8, 6, 32
+BUNDLE, LEN = struct.Struct("<H"), struct.Struct("<I")  # a bundle's segment count; each segment's length
 
 
 def pack_tensors(tensors: dict) -> bytes:
@@ -101,6 +102,37 @@ def unpack_segment(payload: bytes):
     if kind > 1 or axis > 2:
         raise WireError(f"bad segment kind {kind} or axis {axis}")
     return layer, KINDS[kind], AXES[axis], start, count, unpack_tensors(mv, SUB.size)
+
+
+def pack_bundle(payloads: list) -> bytes:
+    """Several SEGMENT payloads as one frame's: their count, then each one's length and bytes."""
+    parts = [BUNDLE.pack(len(payloads))]
+    for p in payloads:
+        parts += [LEN.pack(len(p)), p]
+    return b"".join(parts)
+
+
+def unpack_bundle(payload, max_count: int, max_each: int) -> list[memoryview]:
+    """A bundle → its segment payloads (views into it), after checking the count (1..max_count), each length
+    (1..max_each) and that they fill the payload exactly; WireError on anything else."""
+    mv = memoryview(payload)
+    if len(mv) < BUNDLE.size:
+        raise WireError("bundle payload too short")
+    (n,), pos, out = BUNDLE.unpack_from(mv, 0), BUNDLE.size, []
+    if not 1 <= n <= max_count:
+        raise WireError(f"a bundle of {n} segments (1 to {max_count})")
+    for _ in range(n):
+        if pos + LEN.size > len(mv):
+            raise WireError(f"bundle truncated after {len(out)} of its {n} segments")
+        (ln,) = LEN.unpack_from(mv, pos)
+        pos += LEN.size
+        if not 1 <= ln <= max_each or pos + ln > len(mv):
+            raise WireError(f"a bundled segment of {ln} bytes ({len(mv) - pos} left, at most {max_each})")
+        out.append(mv[pos:pos + ln])
+        pos += ln
+    if pos != len(mv):
+        raise WireError(f"{len(mv) - pos} trailing bytes after a bundle of {n} segments")
+    return out
 
 
 def pack_logits(logits: torch.Tensor) -> bytes:

@@ -6,19 +6,22 @@ drive them alone.
 Wire (docs/vllm.md): lynx-hf's frames, handshake and MACs (transfer/wire.py, transfer/auth.py), TCP, paced by
 the link emulator's NIC (one per publisher, shared by its connections). After the handshake the decode side sends
 REQUEST {xfer, quant_config, spec, digest, start}; the prefill side answers PROMPT {xfer, quant_config, spec, start,
-segments} — or ERROR (unknown transfer, codec or geometry mismatch) — then every anchor SEGMENT (priority 0), every
-residual SEGMENT (priority 1) and END. A segment is one layer's K or V over `segment_tokens(config)` positions of an
+segments} — or ERROR (unknown transfer, codec or geometry mismatch) — then every anchor segment (priority 0), every
+residual segment (priority 1) and END. A segment is one layer's K or V over `segment_tokens(config)` positions of an
 absolute grid (0, u, 2u, ...), packed as `serde` packs it: whole chunks (and KIVI groups), so a segment's code is a
 function of its own positions' KV and a full segment encodes alike in every prompt that holds it (the decode
-instance's cached blocks stand for what a later transfer would ship). `start` is the first position the decode
-instance lacks (its local prefix hit); the publisher streams the segments from the one holding it.
+instance's cached blocks stand for what a later transfer would ship). Segments travel bundled: one SEGMENT frame
+carries a run of one stream's segments (`serde.pack_bundle`: up to MAX_BUNDLE of them, BUNDLE_BYTES together, a
+larger one alone), a layer's anchors or its residuals, so the per-frame work (MAC, wake-up, send) is paid once per
+layer and stream, not per segment: Lynx sends two frames a layer where INT8 sends one. `start` is the first
+position the decode instance lacks (its local prefix hit); the publisher streams the segments from the one holding it.
 
 Bounds: a publisher holds at most `max_bytes` of encoded transfers (oldest unclaimed evicted first, and any left
 unclaimed `ttl_s` seconds) and `MAX_REFUSALS` refusals. A subscriber holds one transfer's codes (its spec bounds
-them) and refuses any frame larger than the codec's bound for its shape, any segment off the grid, duplicated or
-beyond the declared counts — before it allocates. The receiving thread parses bytes only;
-checking and dequantization run on the caller's thread (`Subscription.drain` / `piece`), so no second OpenMP pool
-competes with the model."""
+them) and refuses any frame larger than a bundle's bound, a malformed bundle, any segment larger than the codec's
+bound for its shape, off the grid, duplicated or beyond the declared counts — before it allocates. The receiving
+thread parses bytes only; checking and dequantization run on the caller's thread (`Subscription.drain` / `piece`),
+so no second OpenMP pool competes with the model."""
 from __future__ import annotations
 
 import collections
@@ -36,7 +39,8 @@ from ..config import LynxQuantConfig
 from ..errors import ConfigError
 from ..link import Nic
 from ..quant import codec, dequantize, encode
-from ..transfer.serde import check_residual, pack_segment, segment_bound, to_split, unpack_segment, warm
+from ..transfer.serde import (BUNDLE, LEN, check_residual, pack_bundle, pack_segment, segment_bound, to_split,
+                              unpack_bundle, unpack_segment, warm)
 from ..transfer.auth import Channel, HandshakeRefused, PeerError, client_handshake, quote_peer, server_handshake
 from ..transfer.transport import PRIO_ANCHOR, PRIO_END, PRIO_RESIDUAL, TcpTransport
 from ..transfer.wire import MAX_JSON, SEGMENT_TOKENS, FrameType, PeerClosed, Stream, WireError, segment_counts
@@ -46,6 +50,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 MAX_XFER_ID = 128
 MAX_PROMPT = 1 << 20
 MAX_REFUSALS = 1024
+MAX_BUNDLE, BUNDLE_BYTES = 64, 256 << 10  # a SEGMENT frame's segments at most, and their bytes (one larger: alone)
 
 
 def lower_priority(nice: int) -> None:
@@ -99,13 +104,18 @@ class KVSpec:
         n = self.layers * 2 * len(segment_counts(self.prompt_len - start, segment_tokens(config)))
         return n, n if codec(config).split else 0
 
-    def frame_limit(self, config: LynxQuantConfig) -> int:
+    def segment_limit(self, config: LynxQuantConfig) -> int:
+        """The most bytes one segment's payload takes."""
         shape = (1, self.kv_heads, segment_tokens(config), self.head_dim)
         return max(segment_bound(config, kind, shape, self.torch_dtype) for kind in ("key", "value")) + 64
 
+    def frame_limit(self, config: LynxQuantConfig) -> int:
+        """The most bytes one SEGMENT frame's payload takes: a bundle (`bundles`)."""
+        return BUNDLE.size + MAX_BUNDLE * LEN.size + max(BUNDLE_BYTES, self.segment_limit(config))
+
     def held_bound(self, config: LynxQuantConfig) -> int:
-        """Bytes a subscriber may hold for one such transfer: every segment at its frame bound."""
-        return sum(self.segments(config)) * self.frame_limit(config)
+        """Bytes a subscriber may hold for one such transfer: every segment at its bound."""
+        return sum(self.segments(config)) * self.segment_limit(config)
 
 
 def token_digest(ids) -> str:
@@ -153,6 +163,21 @@ def encode_layer(config: LynxQuantConfig, layer: int, num_layers: int, k: torch.
             if s.residual is not None:
                 out[Stream.RESIDUAL].append((off, pack_segment(layer, kind, off, s, "residual")))
     return [(st, off, p) for st in (Stream.ANCHOR, Stream.RESIDUAL) for off, p in out[st]]
+
+
+def bundles(frames: list, first: int) -> list[tuple[Stream, list[bytes]]]:
+    """encode_layer's (stream, start, payload) entries from position `first` on → runs of one stream's payloads,
+    each at most MAX_BUNDLE of them and BUNDLE_BYTES together (a larger one alone): one SEGMENT frame each."""
+    runs: list[list] = []  # [stream, payloads, bytes]
+    for stream, off, p in frames:
+        if off < first:
+            continue  # the decode instance holds it (its prefix hit)
+        if not runs or runs[-1][0] != stream or len(runs[-1][1]) == MAX_BUNDLE or \
+                runs[-1][2] + len(p) > BUNDLE_BYTES:
+            runs.append([stream, [], 0])
+        runs[-1][1].append(p)
+        runs[-1][2] += len(p)
+    return [(stream, payloads) for stream, payloads, _ in runs]
 
 
 class _Entry:
@@ -346,11 +371,9 @@ class KVPublisher:
                     if not self._cv.wait(self.timeout_s):
                         raise StreamError(f"transfer {xfer!r}: the prefill instance stopped producing it")
                 batch, done = e.frames[sent:], e.done
-            for stream, off, payload in batch:
-                if off < first:
-                    continue  # the decode instance holds it (its prefix hit)
+            for stream, payloads in bundles(batch, first):
                 prio = PRIO_ANCHOR if stream == Stream.ANCHOR else PRIO_RESIDUAL
-                futs.append(ch.send_binary(FrameType.SEGMENT, stream, 0, payload, prio))
+                futs.append(ch.send_binary(FrameType.SEGMENT, stream, 0, pack_bundle(payloads), prio))
             sent += len(batch)
             if done and sent == len(e.frames):
                 break
@@ -487,7 +510,8 @@ class Subscription:
             raise WireError(f"PROMPT declares {p.get('segments')} segments, expected {want}")
 
     def _receive(self, ch: Channel) -> None:
-        limit, got = self.spec.frame_limit(self.config), {Stream.ANCHOR: 0, Stream.RESIDUAL: 0}
+        limit, each = self.spec.frame_limit(self.config), self.spec.segment_limit(self.config)
+        got = {Stream.ANCHOR: 0, Stream.RESIDUAL: 0}
         total = self.expected[0] + self.expected[1]
         while not self._closed.is_set():
             f = ch.recv(self.timeout_s, None, limit)
@@ -497,13 +521,14 @@ class Subscription:
                 return
             if f.type != FrameType.SEGMENT or f.stream == Stream.CONTROL:
                 raise WireError(f"unexpected {f.type.name} frame in a KV stream")
-            a = Arrival(f.stream, *unpack_segment(f.payload))
-            self._check_place(a)
-            got[a.stream] += 1
+            arrivals = [Arrival(f.stream, *unpack_segment(p)) for p in unpack_bundle(f.payload, MAX_BUNDLE, each)]
+            for a in arrivals:
+                self._check_place(a)
+                got[a.stream] += 1
             now = time.time()
             with self._lock:
-                self._bytes_in[a.stream] += len(f.payload)
-                self._inbox.append(a)
+                self._bytes_in[f.stream] += len(f.payload)
+                self._inbox.extend(arrivals)
                 self._arrived_at.setdefault("first", now)
                 if got[Stream.ANCHOR] == self.expected[0] and "anchor" not in self._arrived_at:
                     self._arrived_at["anchor"] = now
