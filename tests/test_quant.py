@@ -143,6 +143,35 @@ def test_auto_axis_picks_channel_for_outlier_channels():
     assert L.choose_axis(y) == "token"
 
 
+@pytest.mark.parametrize("cfg", [Q(), Q(anchor_bits=2), Q(key_axis="token"), Q(method="int8"), Q(method="kivi4"),
+                                 Q(method="bf16"), Q(method="identity"), Q(method="paper"), Q(exact=True),
+                                 Q(method="cachegen")],
+                         ids=lambda c: f"{c.method}-{c.anchor_bits}-{c.key_axis}-{c.exact}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_encode_rows_is_each_row_encoded_alone(cfg, dtype):
+    """Tolerance 0: every tensor, the shape and the axis of each row's code equal its own encode, rows choosing
+    different "auto" axes among them (rows 0 and 3 have outlier channels, the others token-scaled)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, 64, 64, generator=g) * torch.rand(5, 1, 64, 1, generator=g) * 5
+    x[[0, 3], ..., 7] *= 40
+    x = x.to(dtype)
+    for kind in ("key", "value"):
+        rows = quant.encode_rows(x, cfg, kind, layer=(2, 30))
+        assert len(rows) == 5
+        for i, got in enumerate(rows):
+            want = quant.encode(x[i:i + 1].contiguous(), cfg, kind, layer=(2, 30))
+            assert (got.shape, got.dtype, got.axis, got.meta.keys()) == (want.shape, want.dtype, want.axis,
+                                                                        want.meta.keys())
+            for a, b in [(got.anchor, want.anchor), (got.residual, want.residual), (got.correction, want.correction),
+                         *((got.meta[k], want.meta[k]) for k in want.meta)]:
+                assert (a is None and b is None) or torch.equal(a, b)
+    if cfg == Q():
+        assert {r.axis for r in quant.encode_rows(x, cfg, "value")} == {"channel", "token"}
+    x[2, 1, 5, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        quant.encode_rows(x, cfg, "key", layer=(2, 30))
+
+
 @pytest.mark.parametrize("bad,msg", [
     (lambda x: x.clone().index_put_((torch.tensor([0]),), torch.tensor(float("nan"))), "NaN"),
     (lambda x: x.clone().fill_(float("inf")), "NaN or Inf"),

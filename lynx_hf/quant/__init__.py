@@ -25,8 +25,8 @@ from . import baselines, exact, lynx
 from .shapes import SENT_AXES, StreamShapes, TensorSpec, coded_shapes, lynx_shapes, passthrough_shapes, uniform_shapes
 from .splitkv import TIERS, SplitKV
 
-__all__ = ["encode", "dequantize", "decode", "correction", "stream_shapes", "StreamShapes", "TensorSpec", "SplitKV",
-           "TIERS", "Codec", "CODECS", "codec", "validate_input"]
+__all__ = ["encode", "encode_rows", "dequantize", "decode", "correction", "stream_shapes", "StreamShapes", "TensorSpec",
+           "SplitKV", "TIERS", "Codec", "CODECS", "codec", "validate_input"]
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -188,6 +188,25 @@ def encode(x: torch.Tensor, config: LynxQuantConfig | None = None, kind: str = "
     if layer is not None and not (isinstance(layer, tuple) and len(layer) == 2 and 0 <= layer[0] < layer[1]):
         raise ValueError(f"encode: layer must be (index, num_layers) with 0 <= index < num_layers, got {layer!r}")
     return codec(config).encode(x, config, kind, reference, layer)
+
+
+def encode_rows(x: torch.Tensor, config: LynxQuantConfig | None = None, kind: str = "key", *,
+                layer: tuple[int, int] | None = None) -> list[SplitKV]:
+    """`[encode(x[i:i + 1], config, kind, layer=layer) for each row i]` of x [N, H, S, D], every row's code exactly
+    as encoded alone, in few passes where the codec's rows are independent (Lynx: one per axis its rows choose; the
+    uniform and passthrough baselines: one); CacheGen and exact mode row by row."""
+    config = _check_call(config, kind)
+    validate_input(x)
+    N = x.shape[0]
+    if N == 1 or config.exact or config.method not in ("lynx", *baselines.BITS, "bf16", "identity"):
+        return [encode(x[i:i + 1], config, kind, layer=layer) for i in range(N)]
+    if config.method == "lynx":
+        from .dispatch import kernels
+
+        return lynx.encode_rows(x, config, kind, kernels(x.device, x.numel()))
+    whole = encode(x, config, kind, layer=layer)
+    return [SplitKV(config, kind, (1, *x.shape[1:]), x.dtype, whole.anchor[i:i + 1], None,
+                    {k: m[i:i + 1] for k, m in whole.meta.items()}, whole.axis) for i in range(N)]
 
 
 def dequantize(split: SplitKV, tier: str = "full", *, reference: bool = False,

@@ -289,6 +289,34 @@ def encode(x: torch.Tensor, config: LynxQuantConfig, kind: str, kernels: Kernels
     return SplitKV(config, kind, tuple(x.shape), x.dtype, anchor, residual, meta, axis)
 
 
+def encode_rows(x: torch.Tensor, config: LynxQuantConfig, kind: str, kernels: Kernels = REFERENCE) -> list[SplitKV]:
+    """`encode(x[i:i + 1])` for every row of x [N, H, S, D] ("lynx" only), each row's code exactly its own alone
+    (an "auto" axis chosen per row): one pass of ranges over the batch, then one encode pass per axis chosen."""
+    axis, bits, C, N = config.axis(kind), config.anchor_bits, config.chunk_size, x.shape[0]
+    check_width(x.shape[-1], bits)
+    (lo_c, hi_c), (lo_t, hi_t) = kernels.minmax(x, C, channel=True, token=axis != "channel")
+    check_ranges(lo_c, hi_c)
+    if axis == "auto":
+        ch = torch.maximum(lo_c.abs(), hi_c.abs()).amax(2)  # [N, H, D]
+        axes = [_axis_from_absmax(ch[i:i + 1]) for i in range(N)]
+    else:
+        axes = [axis] * N
+    thr, _, _ = tables(config.method, float(config.alpha), config.anchor, bits)
+    out: list = [None] * N
+    for a in sorted(set(axes)):
+        rows = [i for i in range(N) if axes[i] == a]
+        idx = torch.tensor(rows)
+        pick = (lambda t: t) if len(rows) == N else (lambda t: t.index_select(0, idx))
+        mu, rho = kernels.range_stats(*map(pick, (lo_t, hi_t) if a == "token" else (lo_c, hi_c)))
+        anchor, residual = kernels.encode_codes(pick(x), None, None, mu, rho, thr, axis=a, page=config.page_size,
+                                                chunk=C, sign_magnitude=False, alpha=float(config.alpha),
+                                                anchor_bits=bits)
+        for j, i in enumerate(rows):
+            out[i] = SplitKV(config, kind, (1, *x.shape[1:]), x.dtype, anchor[j:j + 1], residual[j:j + 1],
+                             {"mu": mu[j:j + 1], "sigma": rho[j:j + 1]}, a)
+    return out
+
+
 def dequantize(split: SplitKV, tier: str, kernels: Kernels = REFERENCE,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """Lynx / paper reconstruction of `split` at `tier` over `kernels` (`dequantize_codes`: unpack, look up,

@@ -38,7 +38,7 @@ import torch
 from ..config import LynxQuantConfig
 from ..errors import ConfigError
 from ..link import Nic
-from ..quant import codec, dequantize, encode
+from ..quant import codec, dequantize, encode, encode_rows
 from ..transfer.serde import (BUNDLE, LEN, check_residual, pack_bundle, pack_segment, segment_bound, to_split,
                               unpack_bundle, unpack_segment, warm)
 from ..transfer.auth import Channel, HandshakeRefused, PeerError, client_handshake, quote_peer, server_handshake
@@ -157,8 +157,13 @@ def encode_layer(config: LynxQuantConfig, layer: int, num_layers: int, k: torch.
     anchor ones first."""
     out, u = {Stream.ANCHOR: [], Stream.RESIDUAL: []}, segment_tokens(config)
     for kind, x in (("key", k), ("value", v)):
-        for off in range(0, x.shape[2], u):
-            s = encode(x[:, :, off:off + u].contiguous(), config, kind, layer=(layer, num_layers))
+        n, where = x.shape[2] // u, (layer, num_layers)
+        rows = x[0, :, :n * u].unflatten(1, (n, u)).transpose(0, 1).contiguous()  # the whole segments: [n, H, u, D]
+        splits = encode_rows(rows, config, kind, layer=where) if n else []
+        if x.shape[2] % u:
+            splits.append(encode(x[:, :, n * u:].contiguous(), config, kind, layer=where))
+        for i, s in enumerate(splits):
+            off = i * u
             out[Stream.ANCHOR].append((off, pack_segment(layer, kind, off, s, "anchor")))
             if s.residual is not None:
                 out[Stream.RESIDUAL].append((off, pack_segment(layer, kind, off, s, "residual")))
