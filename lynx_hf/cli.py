@@ -66,13 +66,13 @@ def _add_codec_quality(sub) -> None:
 def _add_bench(sub) -> None:
     """`lynx-hf bench BENCHMARK`: each benchmark module registers its own subcommand and flags."""
     from lynx_hf.eval.benches import (bench_codec, bench_exact, bench_kernels, bench_server_memory, bench_session,
-                                      bench_startup, bench_transfer)
+                                      bench_startup, bench_stream, bench_transfer)
 
     b = subcommand(sub, "bench", "benchmarks that print numbers and a final JSON line "
                                  "(`lynx-hf bench BENCHMARK --help`: what one measures, its options)")
     benches = b.add_subparsers(dest="what", required=True, metavar="BENCHMARK", help="what to measure")
     for m in (bench_codec, bench_exact, bench_kernels, bench_transfer, bench_session, bench_startup,
-              bench_server_memory):
+              bench_server_memory, bench_stream):
         m.register(benches)
 
 

@@ -128,6 +128,18 @@ def test_a_layers_segments_go_as_one_frame_per_stream_within_the_bundle_bounds(m
     assert [len(ps) for _, ps in bundles(frames[:4], 0)] == [1, 1, 1, 1]
 
 
+def test_the_stream_bench_measures_one_request_sent_whole():
+    """`lynx-hf bench stream`'s unit: one request's KV encoded, published and received whole by a subscriber in
+    another process; CPU seconds and the bytes held are reported."""
+    from lynx_hf.eval.benches.bench_stream import one
+
+    P, kv = 2 * segment_tokens(LynxQuantConfig()) + 5, _kv(2 * segment_tokens(LynxQuantConfig()) + 5)
+    r = one("lynx", kv, KVSpec(L, H, D, "float32", P), 50e6, "t")
+    frames = [encode_layer(LynxQuantConfig(), i, L, k, v) for i, (k, v) in enumerate(kv)]
+    assert r["bytes"] == sum(len(p) for f in frames for _, _, p in f)
+    assert r["encode_s"] > 0 and r["send_s"] > 0 and r["wall_s"] > 0
+
+
 def _nice_of(name: str, before: set) -> int | None:
     """The nice value of the thread called `name` started since `before` (Thread objects: idents are reused), None
     if there is none."""
