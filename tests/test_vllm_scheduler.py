@@ -19,7 +19,7 @@ from lynx_hf.vllm.scheduler import (LoadMeta, ParamsError, SaveMeta, SchedulerSi
                                     full_salt,
                                 parse_params)
 from lynx_hf.vllm.proposer import DraftBook, LynxProposer, belongs
-from lynx_hf.transfer.wire import Stream
+from lynx_hf.transfer.wire import Stream, WireError
 from lynx_hf.vllm import stream
 from lynx_hf.vllm.stream import (KVPublisher, KVSpec, Subscription, bundles, encode_layer, segment_tokens, stream_tier,
                                  token_digest)
@@ -221,7 +221,13 @@ def test_stream_refusals_name_the_problem():
             _wait(lambda: sub.error is not None)
             assert why in sub.error, (why, sub.error)
         # after all that the transfer is still served to the right subscriber
-        assert not _collect(Subscription("127.0.0.1", pub.port, SECRET, FP, "x", cfg, spec, "d"), P) == {}
+        sub = Subscription("127.0.0.1", pub.port, SECRET, FP, "x", cfg, spec, "d")
+        assert not _collect(sub, P) == {}
+        prompt = {"xfer": "x", "quant_config": cfg.to_dict(), "spec": asdict(spec), "start": 0,
+                  "segments": {"anchor": sub.expected[0], "residual": sub.expected[1]}}
+        with pytest.raises(WireError, match="same lynx-hf on both instances"):  # a publisher from before bundling
+            sub._check_prompt(prompt)
+        sub._check_prompt({**prompt, "bundled": True})
     finally:
         pub.close()
 

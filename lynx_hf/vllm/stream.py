@@ -6,15 +6,16 @@ drive them alone.
 Wire (docs/vllm.md): lynx-hf's frames, handshake and MACs (transfer/wire.py, transfer/auth.py), TCP, paced by
 the link emulator's NIC (one per publisher, shared by its connections). After the handshake the decode side sends
 REQUEST {xfer, quant_config, spec, digest, start}; the prefill side answers PROMPT {xfer, quant_config, spec, start,
-segments} — or ERROR (unknown transfer, codec or geometry mismatch) — then every anchor segment (priority 0), every
-residual segment (priority 1) and END. A segment is one layer's K or V over `segment_tokens(config)` positions of an
-absolute grid (0, u, 2u, ...), packed as `serde` packs it: whole chunks (and KIVI groups), so a segment's code is a
-function of its own positions' KV and a full segment encodes alike in every prompt that holds it (the decode
-instance's cached blocks stand for what a later transfer would ship). Segments travel bundled: one SEGMENT frame
-carries a run of one stream's segments (`serde.pack_bundle`: up to MAX_BUNDLE of them, BUNDLE_BYTES together, a
-larger one alone), a layer's anchors or its residuals, so the per-frame work (MAC, wake-up, send) is paid once per
-layer and stream, not per segment: Lynx sends two frames a layer where INT8 sends one. `start` is the first
-position the decode instance lacks (its local prefix hit); the publisher streams the segments from the one holding it.
+segments, bundled} — or ERROR (unknown transfer, codec or geometry mismatch) — then every anchor segment (priority
+0), every residual segment (priority 1) and END. A segment is one layer's K or V over `segment_tokens(config)`
+positions of an absolute grid (0, u, 2u, ...), packed as `serde` packs it: whole chunks (and KIVI groups), so a
+segment's code is a function of its own positions' KV and a full segment encodes alike in every prompt that holds
+it (the decode instance's cached blocks stand for what a later transfer would ship). Segments travel bundled: one
+SEGMENT frame carries a run of one stream's segments (`serde.pack_bundle`: up to MAX_BUNDLE of them, BUNDLE_BYTES
+together, a larger one alone), a layer's anchors or its residuals, so the per-frame work (MAC, wake-up, send) is
+paid once per layer and stream, not per segment: Lynx sends two frames a layer where INT8 sends one (a subscriber
+refuses a PROMPT without `bundled`, from a lynx-hf before, naming it). `start` is the first position the decode
+instance lacks (its local prefix hit); the publisher streams the segments from the one holding it.
 
 Bounds: a publisher holds at most `max_bytes` of encoded transfers (oldest unclaimed evicted first, and any left
 unclaimed `ttl_s` seconds) and `MAX_REFUSALS` refusals. A subscriber holds one transfer's codes (its spec bounds
@@ -368,7 +369,8 @@ class KVPublisher:
         xfer, e, first = self._claim(req)
         n_anchor, n_res = e.spec.segments(e.config, first)
         ch.send_json(FrameType.PROMPT, {"xfer": xfer, "quant_config": e.config.to_dict(), "spec": asdict(e.spec),
-                                        "start": first, "segments": {"anchor": n_anchor, "residual": n_res}})
+                                        "start": first, "segments": {"anchor": n_anchor, "residual": n_res},
+                                        "bundled": True})
         sent, futs = 0, []
         while True:
             with self._cv:
@@ -513,6 +515,9 @@ class Subscription:
         want = {"anchor": self.expected[0], "residual": self.expected[1]}
         if p.get("segments") != want:
             raise WireError(f"PROMPT declares {p.get('segments')} segments, expected {want}")
+        if p.get("bundled") is not True:
+            raise WireError("the prefill instance sends a segment a frame (a lynx-hf from before bundled segments): "
+                            "run the same lynx-hf on both instances")
 
     def _receive(self, ch: Channel) -> None:
         limit, each = self.spec.frame_limit(self.config), self.spec.segment_limit(self.config)
