@@ -305,7 +305,7 @@ def encode_rows(x: torch.Tensor, config: LynxQuantConfig, kind: str, kernels: Ke
     out: list = [None] * N
     for a in sorted(set(axes)):
         rows = [i for i in range(N) if axes[i] == a]
-        idx = torch.tensor(rows)
+        idx = torch.tensor(rows, device=x.device)
         pick = (lambda t: t) if len(rows) == N else (lambda t: t.index_select(0, idx))
         mu, rho = kernels.range_stats(*map(pick, (lo_t, hi_t) if a == "token" else (lo_c, hi_c)))
         anchor, residual = kernels.encode_codes(pick(x), None, None, mu, rho, thr, axis=a, page=config.page_size,
