@@ -9,6 +9,7 @@ paired ratios Lynx/INT8. Prints a table and a final JSON line."""
 from __future__ import annotations
 
 import multiprocessing
+import queue
 import resource
 import statistics
 import time
@@ -38,6 +39,24 @@ def _subscribe(port: int, method: str, spec: dict, xfer: str, out) -> None:
     sub.close()
 
 
+def _report(q, child, timeout_s: float = 600.0):
+    """The subscriber's report; RuntimeError, saying so, if its process died or ran past `timeout_s` first."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            return q.get(timeout=1.0)
+        except queue.Empty:
+            if not child.is_alive():  # (a report it sent just before ending may still be on its way)
+                try:
+                    return q.get(timeout=1.0)
+                except queue.Empty:
+                    raise RuntimeError(f"the subscriber process ended without a report (exit code "
+                                       f"{child.exitcode})") from None
+            if time.monotonic() - t0 > timeout_s:
+                child.kill()
+                raise RuntimeError(f"the subscriber received nothing whole in {timeout_s:g} s") from None
+
+
 def one(method: str, kv: list, spec, bandwidth_bps: float | None, xfer: str) -> dict:
     """One request's KV (kv: per layer (k, v) [1, H, P, D]) through a fresh publisher (bandwidth_bps None: unpaced):
     {"encode_s", "send_s", "wall_s", "bytes"} (CPU seconds, but wall_s)."""
@@ -60,7 +79,7 @@ def one(method: str, kv: list, spec, bandwidth_bps: float | None, xfer: str) -> 
         child = ctx.Process(target=_subscribe, args=(pub.port, method, asdict(spec), xfer, q))
         c0, w0 = _cpu(), time.perf_counter()
         child.start()
-        err = q.get(timeout=600)
+        err = _report(q, child)
         child.join(60)
         if err is not None:
             raise RuntimeError(f"the subscriber failed: {err}")
