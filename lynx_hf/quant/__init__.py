@@ -205,8 +205,7 @@ def encode_rows(x: torch.Tensor, config: LynxQuantConfig | None = None, kind: st
 
         return lynx.encode_rows(x, config, kind, kernels(x.device, x.numel()))
     whole = encode(x, config, kind, layer=layer)
-    return [SplitKV(config, kind, (1, *x.shape[1:]), x.dtype, whole.anchor[i:i + 1], None,
-                    {k: m[i:i + 1] for k, m in whole.meta.items()}, whole.axis) for i in range(N)]
+    return [whole.row(i) for i in range(N)]
 
 
 def dequantize(split: SplitKV, tier: str = "full", *, reference: bool = False,

@@ -258,11 +258,12 @@ REFERENCE = Kernels()
 
 
 def encode(x: torch.Tensor, config: LynxQuantConfig, kind: str, kernels: Kernels = REFERENCE,
-           fast: bool = True) -> SplitKV:
+           fast: bool = True, axis: str | None = None) -> SplitKV:
     """Lynx / paper encode over `kernels`. One pass of ranges (minmax) gives the finiteness check, the automatic
     axis, the page stage and the chunk stats; a second pass writes the codes. fast=False codes by the threshold
-    search (the definition of the code) instead of the arithmetic path."""
-    axis, bits = config.axis(kind), config.anchor_bits
+    search (the definition of the code) instead of the arithmetic path. axis: the grouping axis to use instead of
+    the config's (encode_rows passes the one its rows chose)."""
+    axis, bits = axis or config.axis(kind), config.anchor_bits
     check_width(x.shape[-1], bits)
     S, paper, C = x.shape[2], config.method == "paper", config.chunk_size
     (lo_c, hi_c), (lo_t, hi_t) = kernels.minmax(x, C, channel=True, token=axis != "channel" and not paper)
@@ -290,30 +291,21 @@ def encode(x: torch.Tensor, config: LynxQuantConfig, kind: str, kernels: Kernels
 
 
 def encode_rows(x: torch.Tensor, config: LynxQuantConfig, kind: str, kernels: Kernels = REFERENCE) -> list[SplitKV]:
-    """`encode(x[i:i + 1])` for every row of x [N, H, S, D] ("lynx" only), each row's code exactly its own alone
-    (an "auto" axis chosen per row): one pass of ranges over the batch, then one encode pass per axis chosen."""
-    axis, bits, C, N = config.axis(kind), config.anchor_bits, config.chunk_size, x.shape[0]
-    check_width(x.shape[-1], bits)
-    (lo_c, hi_c), (lo_t, hi_t) = kernels.minmax(x, C, channel=True, token=axis != "channel")
-    check_ranges(lo_c, hi_c)
+    """`encode(x[i:i + 1])` for every row of x [N, H, S, D], each row's code exactly its own alone (an "auto" axis
+    chosen per row, from the same per-channel absmax `encode` reads): one `encode` per axis the rows choose."""
+    axis, N = config.axis(kind), x.shape[0]
     if axis == "auto":
-        ch = torch.maximum(lo_c.abs(), hi_c.abs()).amax(2)  # [N, H, D]
+        ch = x.detach().float().abs().amax(2)  # [N, H, D]
         axes = [_axis_from_absmax(ch[i:i + 1]) for i in range(N)]
     else:
         axes = [axis] * N
-    thr, _, _ = tables(config.method, float(config.alpha), config.anchor, bits)
     out: list = [None] * N
     for a in sorted(set(axes)):
         rows = [i for i in range(N) if axes[i] == a]
-        idx = torch.tensor(rows, device=x.device)
-        pick = (lambda t: t) if len(rows) == N else (lambda t: t.index_select(0, idx))
-        mu, rho = kernels.range_stats(*map(pick, (lo_t, hi_t) if a == "token" else (lo_c, hi_c)))
-        anchor, residual = kernels.encode_codes(pick(x), None, None, mu, rho, thr, axis=a, page=config.page_size,
-                                                chunk=C, sign_magnitude=False, alpha=float(config.alpha),
-                                                anchor_bits=bits)
+        part = x if len(rows) == N else x.index_select(0, torch.tensor(rows, device=x.device))
+        s = encode(part, config, kind, kernels, axis=a)
         for j, i in enumerate(rows):
-            out[i] = SplitKV(config, kind, (1, *x.shape[1:]), x.dtype, anchor[j:j + 1], residual[j:j + 1],
-                             {"mu": mu[j:j + 1], "sigma": rho[j:j + 1]}, a)
+            out[i] = s.row(j)
     return out
 
 

@@ -28,6 +28,13 @@ class SplitKV:
     axis: str = ""                 # grouping axis the encoder used ("channel" | "token"; "" for passthrough)
     correction: torch.Tensor | None = None  # exact mode: uint8 [N] (quant/exact.py), None until it arrives
 
+    def row(self, i: int) -> "SplitKV":
+        """Batch row i as a SplitKV of its own (views), for codes indexed by batch row (not a coded stream, no
+        correction)."""
+        pick = lambda t: None if t is None else t[i:i + 1]  # noqa: E731
+        return SplitKV(self.config, self.kind, (1, *self.shape[1:]), self.dtype, pick(self.anchor),
+                       pick(self.residual), {k: m[i:i + 1] for k, m in self.meta.items()}, self.axis)
+
     def meta_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.meta.values())
 
