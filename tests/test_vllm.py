@@ -104,7 +104,7 @@ def test_traffic_through_two_vllm_serve_and_the_proxy():
     assert st["nonempty"] and all(c >= 2 for c in st["chunks"])  # the first token, then the decode's stream
     assert st["whole_equals_stream"] is True and st["chat"]
     t = r["traffic"]
-    assert t["alone_status"] == [200] * 7 and t["sampled_status"] == [200] * 4
+    assert t["alone_status"] == [200] * 7 and t["sampled_status"] == [200] * 4, (t["alone_error"], t["sampled_error"])
     assert t["sampled_finish"] == ["length"] * 4
     for row in t["greedy"]:  # every request completed; equal to itself alone, or a near-tie at its first difference
         assert row["status"] == 200 and row["finish"] == "length", row

@@ -3,6 +3,8 @@ operator's tools see — a streamed request's final usage chunk (stream_options.
 it), the prefill instance's /tokenize and /v1/models forwarded, text exactly the tokens generated."""
 import asyncio
 import json
+import socket
+import time
 
 from aiohttp import ClientSession, web
 
@@ -72,14 +74,36 @@ async def _events(resp) -> list:
             if line.startswith("data: ") and line != "data: [DONE]"]
 
 
-def _run(check, method: str = "int8"):
+def _closing_idle(keep_alive_s: float):
+    """Middleware: a request arriving on a connection idle longer than keep_alive_s is dropped unanswered — what a
+    client sees when it reuses a connection the server closes at that moment (uvicorn's keep-alive, vLLM's 5 s)."""
+    last = {}
+
+    @web.middleware
+    async def mw(request, handler):
+        t, now = request.transport, time.monotonic()
+        if t in last and now - last[t] > keep_alive_s:
+            t.close()
+            raise ConnectionResetError("closed while idle")
+        try:
+            return await handler(request)
+        finally:
+            last[t] = time.monotonic()
+
+    return mw
+
+
+def _run(check, method: str = "int8", keep_alive_s: float | None = None, decode_url: str | None = None):
     async def go():
         seen = []
         runners = []
         for a in (_prefill(), _decode(seen)):
+            if keep_alive_s is not None:
+                a.middlewares.append(_closing_idle(keep_alive_s))
             r, url = await _serve(a)
             runners.append((r, url))
-        px = Proxy(runners[0][1], runners[1][1], "127.0.0.1", 7411, method=method)
+        kw = {} if keep_alive_s is None else {"upstream_keep_alive_s": keep_alive_s}
+        px = Proxy(runners[0][1], decode_url or runners[1][1], "127.0.0.1", 7411, method=method, **kw)
         pr, purl = await _serve(app(px))
         try:
             async with ClientSession() as http:
@@ -141,3 +165,38 @@ def test_a_real_request_never_gets_a_connection_a_shadow_used():
         assert not shadow & real and len(real) == 1  # the real requests' pooled connection, reused
 
     _run(check, method="lynx")
+
+
+def test_the_proxy_never_reuses_a_connection_the_instance_may_be_closing():
+    """vLLM closes a connection idle 5 s; a request sent on it as it closes fails unanswered ("Server disconnected",
+    once a 500 in CI). The proxy reuses a connection for half the instances' keep-alive at most: with requests spaced
+    past it, each goes on a fresh connection and every one is answered."""
+    async def check(http, url, seen):
+        for _ in range(3):
+            async with http.post(f"{url}/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 4,
+                                                                "stream": True}) as r:
+                assert r.status == 200 and "".join(e["choices"][0]["text"] for e in await _events(r)) == " A B C D"
+            async with http.post(f"{url}/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 3}) as r:
+                assert r.status == 200, await r.text()
+            await asyncio.sleep(0.5)  # (past the instances' keep-alive: what they held is closing)
+        assert len(seen) == 6
+
+    _run(check, keep_alive_s=0.3)
+
+
+def test_an_unreachable_decode_instance_is_a_502_naming_it_not_a_bare_500():
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sk.getsockname()[1]}"  # (bound, never listening: the connection is refused)
+
+        async def check(http, url, seen):
+            async with http.post(f"{url}/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 3}) as r:
+                body = await r.json()
+                assert r.status == 502 and "upstream instance failed" in body["error"]["message"], body
+            async with http.post(f"{url}/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 3,
+                                                                "stream": True}) as r:
+                ev = await _events(r)  # (the first token went out before the decode instance was asked)
+                assert r.status == 200 and ev[0]["choices"][0]["text"] == " A"
+                assert "decode instance failed" in ev[-1]["error"]["message"], ev
+
+        _run(check, decode_url=dead)

@@ -33,6 +33,7 @@ import time
 
 import aiohttp
 
+from lynx_hf.vllm.serve.proxy import upstream_connector
 from lynx_hf.eval.benches.vllm_servers import metrics, serve, speculative, stop, wait_up
 from vllm_traffic import chi2_sf
 
@@ -108,7 +109,7 @@ async def setting(base, model, prompts, gen: dict, seed0: int) -> list:
         async with gate:
             return await one(s, f"{base}/v1/completions", body)
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800), connector=upstream_connector()) as s:
         return await asyncio.gather(*[run(i, p) for i, p in enumerate(prompts)])
 
 
@@ -117,7 +118,7 @@ async def refused_topk_only(base, decode, model, prompt) -> dict:
     engine): the proxy answers it, and the decode instance, sent it directly, fails it (its log says why) and serves
     a greedy request after it."""
     topk = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 1.0, "top_k": 20, "seed": 1}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300), connector=upstream_connector()) as s:
         async with s.post(f"{base}/v1/completions", json=topk) as r:
             status, text = r.status, await r.text()
         async with s.post(f"{decode}/v1/completions", json=topk) as r:

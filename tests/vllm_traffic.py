@@ -26,6 +26,7 @@ import urllib.request
 import aiohttp
 
 from lynx_hf.eval.benches.vllm_bench import first_difference, gap  # noqa: F401 — (the package's helpers, shared with the bench)
+from lynx_hf.vllm.serve.proxy import upstream_connector
 from lynx_hf.eval.benches.vllm_servers import serve, wait_up
 
 NEW, PLAIN_NEW, N_PLAIN, N_SAMPLED = 32, 300, 6, 64
@@ -49,7 +50,7 @@ async def stream(session, url, body):
 async def streaming(base, model):
     prompts = [f"Count from {i}: " + ", ".join(str(j) for j in range(i, i + 60)) for i in range(4)]
     bodies = [{"model": model, "prompt": p, "max_tokens": 24, "temperature": 0} for p in prompts]
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600), connector=upstream_connector()) as s:
         t = time.time()
         together = await asyncio.gather(*[stream(s, f"{base}/v1/completions", b) for b in bodies])
         t_together = time.time() - t
@@ -85,7 +86,7 @@ async def traffic(base, decode, model, prompts, plain):
     batch = list(range(len(refs))) + [0, 1] + [len(prompts)] * (N_PLAIN - 1)  # two Lynx prompts twice, plain 6x
     sampled = [{"model": model, "prompt": p, "max_tokens": NEW, "temperature": 1.0, "seed": 100 + i}
                for i, p in enumerate(prompts[2:6])]  # (their prefixes hit the greedy runs' cached blocks)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900), connector=upstream_connector()) as s:
         t = time.time()
         alone = [await complete(s, url, body) for url, body in refs]
         t_alone = time.time() - t
@@ -103,12 +104,13 @@ async def traffic(base, decode, model, prompts, plain):
         rows.append(row)
     return {"greedy": rows, "sampled_status": [r[0] for r in together[len(batch):]],
             "sampled_finish": [r[3] for r in together[len(batch):]], "alone_status": [r[0] for r in alone],
+            "alone_error": [r[4] for r in alone], "sampled_error": [r[4] for r in together[len(batch):]],
             "alone_s": round(t_alone, 1), "together_s": round(t_together, 1)}
 
 
 async def bad_requests(prefill, decode, base, model, kv_port):
     out = {}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300), connector=upstream_connector()) as s:
         consume = {"role": "consume", "xfer": "bad-1", "method": "no-such-codec", "tier": "full", "shadow": False,
                    "host": "127.0.0.1", "port": kv_port, "prompt_len": 3}
         async with s.post(f"{decode}/v1/completions", json={"model": model, "prompt": [1, 2, 3, 4], "max_tokens": 4,
@@ -134,7 +136,7 @@ async def sampling(base_a, base_b, model, ids):
         got = await asyncio.gather(*[complete(s, f"{base}/v1/completions", body) for _ in range(N_SAMPLED)])
         return [g[1][2] for g in got if g[0] == 200 and g[1] and len(g[1]) > 2]
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900), connector=upstream_connector()) as s:
         drafted = await arm(s, base_a, 1.0)
         plain = await arm(s, base_b, 1.0)
         cooler = await arm(s, base_b, 0.6)

@@ -231,12 +231,14 @@ async def run_arm(url: str, reqs: list, arrivals: list, n32: int, engines: tuple
     import asyncio
 
     import aiohttp
+
+    from lynx_hf.vllm.serve.proxy import upstream_connector  # (vLLM closes idle connections)
     from tqdm import tqdm  # (bootstrap installs tqdm and matplotlib in .venv-vllm)
 
     before, load = await idle(engines), os.getloadavg()[0]
     bar = tqdm(total=len(reqs), desc=name, file=sys.stderr, unit="req")
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s),
-                                     connector=aiohttp.TCPConnector(limit=0)) as s:
+                                     connector=upstream_connector(limit=0)) as s:
         t0, at = time.perf_counter(), clocks()
 
         async def go(i):
@@ -257,8 +259,11 @@ async def run_alone(url: str, reqs: list, idx: list, n32: int, timeout_s: float,
     """The requests `idx`, one at a time → {i: row}."""
     import aiohttp
 
+    from lynx_hf.vllm.serve.proxy import upstream_connector  # (vLLM closes idle connections)
+
     out = {}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                     connector=upstream_connector()) as s:
         for i in idx:
             out[i] = await one(s, url, reqs[i], time.perf_counter(), n32)
             if bar is not None:

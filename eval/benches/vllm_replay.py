@@ -45,6 +45,8 @@ async def replay(url: str, convs: list, starts: list, engines: tuple, timeout_s:
     import asyncio
 
     import aiohttp
+
+    from lynx_hf.vllm.serve.proxy import upstream_connector  # (vLLM closes idle connections)
     from tqdm import tqdm
 
     from lynx_hf.eval.benches.vllm_arms import ACCEPTED, DRAFTED, PREEMPTED
@@ -52,7 +54,7 @@ async def replay(url: str, convs: list, starts: list, engines: tuple, timeout_s:
     before = await idle(engines)
     bar = tqdm(total=sum(map(len, convs)), desc=name, file=sys.stderr, unit="turn")
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s),
-                                     connector=aiohttp.TCPConnector(limit=0)) as s:
+                                     connector=upstream_connector(limit=0)) as s:
         t0 = time.perf_counter()
 
         async def conversation(c):
@@ -76,8 +78,11 @@ async def alone_fresh(url: str, convs: list, engines: tuple, timeout_s: float, b
     """Every turn alone, both engines' prefix caches dropped first → {(conv, turn): row}."""
     import aiohttp
 
+    from lynx_hf.vllm.serve.proxy import upstream_connector  # (vLLM closes idle connections)
+
     out = {}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                     connector=upstream_connector()) as s:
         for c, conv in enumerate(convs):
             for t, body in enumerate(conv):
                 for e in engines:

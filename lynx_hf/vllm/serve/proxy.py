@@ -11,25 +11,38 @@ client's request with an error naming it; the proxy serves on. `logprobs` (an in
 every token, the prefill's first one included. A shadow samples as its real request does, with a seed of its own
 where the request names one (a draft must not share the randomness that verifies it). `--shadows 0` turns drafting off.
 Every answer names its transfer in the `X-Lynx-Xfer` header, the key of the decode instance's `transfer_log` lines
-(connector.py): what the request shipped, for an operator's accounting and vllm-bench's."""
+(connector.py): what the request shipped, for an operator's accounting and vllm-bench's.
+
+The proxy's pooled connections to the instances idle at most half the instances' keep-alive (vLLM closes a connection
+idle VLLM_HTTP_TIMEOUT_KEEP_ALIVE s, 5 by default; `--upstream-keep-alive`): a request sent on a connection the
+instance is closing at that moment would fail with "Server disconnected" before the instance saw it."""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import functools
 import json
+import os
 import secrets
 import time
 
-from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
+from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
 from ..fixes import topk_only_broken, topk_only_refusal
 from ..scheduler import full_salt
 from .pd import shadow_seed
 
 XFER_HEADER = "X-Lynx-Xfer"
+UPSTREAM_KEEP_ALIVE_S = 5.0  # vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE default (uvicorn's timeout_keep_alive)
 PASS = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "repetition_penalty",
         "presence_penalty", "frequency_penalty", "min_tokens", "return_tokens_as_token_ids")
+
+
+def upstream_connector(keep_alive_s: float = UPSTREAM_KEEP_ALIVE_S, **kw) -> TCPConnector:
+    """aiohttp's connector for a client of `vllm serve`: an idle connection is reused for half the server's
+    keep-alive at most (aiohttp's default, 15 s, outlives vLLM's 5 s: a request could go out on a connection the
+    server is closing, and fail unanswered)."""
+    return TCPConnector(keepalive_timeout=keep_alive_s / 2, **kw)
 
 
 def _topk_only(sampling: dict) -> str | None:
@@ -49,11 +62,17 @@ class Upstream(Exception):
 
 class Proxy:
     def __init__(self, prefill: str, decode: str, kv_host: str, kv_port: int, method: str = "lynx",
-                 draft_budget: int = 31, timeout_s: float = 600.0, release: tuple = (0.0, 0.5)):
-        """release: one entry per shadow, the fraction of the residual placed before it starts (() : no shadows)."""
+                 draft_budget: int = 31, timeout_s: float = 600.0, release: tuple = (0.0, 0.5),
+                 upstream_keep_alive_s: float = UPSTREAM_KEEP_ALIVE_S):
+        """release: one entry per shadow, the fraction of the residual placed before it starts (() : no shadows);
+        upstream_keep_alive_s: how long the instances keep an idle connection open (the proxy reuses one for half
+        that at most)."""
+        if not upstream_keep_alive_s > 0:
+            raise ValueError(f"upstream_keep_alive_s must be > 0, got {upstream_keep_alive_s!r}")
         self.prefill, self.decode, self.release = prefill.rstrip("/"), decode.rstrip("/"), release
         self.kv_host, self.kv_port, self.method, self.budget = kv_host, kv_port, method, draft_budget
         self.timeout = ClientTimeout(total=timeout_s)
+        self.keep_alive_s = upstream_keep_alive_s
         self.http: ClientSession | None = None
         self.shadow_http: ClientSession | None = None  # the shadows' own: see `app`
         self.topk_broken = False  # vLLM's top-k-only defect here (fixes.py), probed when the app starts
@@ -168,20 +187,24 @@ class Proxy:
         send = lambda obj: out.write(f"data: {json.dumps(obj)}\n\n".encode())  # noqa: E731
         await send(_chunk(chat, model, c0["text"], None, first=True, logprobs=c0.get("logprobs")))
         completion = 1
-        async with self.http.post(f"{self.decode}/v1/completions", json=real) as r:
-            if r.status != 200:
-                await send({"error": {"message": f"decode instance answered {r.status}: {(await r.text())[:300]}"}})
-            else:
-                async for c in sse(r.content):
-                    if "error" in c:
-                        await send(c)
-                        break
-                    if not c.get("choices"):  # R's usage chunk
-                        completion += int((c.get("usage") or {}).get("completion_tokens") or 0)
-                        continue
-                    ch = c["choices"][0]
-                    await send(_chunk(chat, model, ch.get("text", ""), ch.get("finish_reason"),
-                                      logprobs=ch.get("logprobs")))
+        try:
+            async with self.http.post(f"{self.decode}/v1/completions", json=real) as r:
+                if r.status != 200:
+                    await send({"error": {"message": f"decode instance answered {r.status}: "
+                                                     f"{(await r.text())[:300]}"}})
+                else:
+                    async for c in sse(r.content):
+                        if "error" in c:
+                            await send(c)
+                            break
+                        if not c.get("choices"):  # R's usage chunk
+                            completion += int((c.get("usage") or {}).get("completion_tokens") or 0)
+                            continue
+                        ch = c["choices"][0]
+                        await send(_chunk(chat, model, ch.get("text", ""), ch.get("finish_reason"),
+                                          logprobs=ch.get("logprobs")))
+        except (ClientError, asyncio.TimeoutError) as e:  # (the headers went out: the error is the stream's event)
+            await send({"error": {"message": f"the decode instance failed: {e!r}", "type": "upstream_error"}})
         if prompt_tokens is not None:
             await send({"object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
                         "model": model, "choices": [], "usage": _usage(prompt_tokens, completion)})
@@ -240,7 +263,7 @@ def _whole(chat: bool, model, text: str, finish, prompt_tokens: int, completion_
 
 def app(proxy: Proxy) -> web.Application:
     async def start(_):
-        proxy.http = ClientSession(timeout=proxy.timeout)
+        proxy.http = ClientSession(timeout=proxy.timeout, connector=upstream_connector(proxy.keep_alive_s))
         # A shadow's connection is never pooled: a shadow ends by an answer the decode instance fails (priced out,
         # its tier gone) or by being cancelled mid-answer, and a real request must never be handed the connection
         # such an end left behind (aiohttp reusing it: "Server disconnected" on the real request).
@@ -256,6 +279,9 @@ def app(proxy: Proxy) -> web.Application:
             return await proxy.handle(request, chat)
         except Upstream as e:
             return web.json_response({"error": {"message": str(e), "type": "upstream_error"}}, status=502)
+        except (ClientError, asyncio.TimeoutError) as e:  # (an instance unreachable, gone mid-answer, or too slow)
+            return web.json_response({"error": {"message": f"an upstream instance failed: {e!r}",
+                                                "type": "upstream_error"}}, status=502)
         except (KeyError, IndexError, TypeError) as e:
             return web.json_response({"error": {"message": f"malformed request or upstream answer: {e!r}"}},
                                      status=400)
@@ -275,7 +301,7 @@ def app(proxy: Proxy) -> web.Application:
 
 
 def main(argv=None) -> None:
-    from ...flags import count
+    from ...flags import count, seconds
 
     ap = argparse.ArgumentParser(prog="lynx-hf vllm-proxy", description=__doc__.split("\n\n")[0])
     ap.add_argument("--prefill", required=True, help="the prefill vllm serve, e.g. http://127.0.0.1:8100")
@@ -286,16 +312,25 @@ def main(argv=None) -> None:
     ap.add_argument("--draft-budget", type=count(4096), default=31, help="tokens the shadow drafts")
     ap.add_argument("--shadows", type=count(2, lo=0), default=2,
                     help="shadow requests per Lynx request (released at 0 and half of the residual; 0: no drafts)")
+    ap.add_argument("--upstream-keep-alive", type=seconds(), default=None, metavar="S",
+                    help="seconds the instances keep an idle connection open (default: VLLM_HTTP_TIMEOUT_KEEP_ALIVE "
+                         f"where set, else {UPSTREAM_KEEP_ALIVE_S:g}, vLLM's default)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=count(65535), default=8000)
     a = ap.parse_args(argv)
+    keep_alive = a.upstream_keep_alive
+    if keep_alive is None:
+        try:
+            keep_alive = seconds()(os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", str(UPSTREAM_KEEP_ALIVE_S)))
+        except argparse.ArgumentTypeError as e:
+            ap.error(f"VLLM_HTTP_TIMEOUT_KEEP_ALIVE (the instances' keep-alive, seconds) {e}")
     from ...config import LynxQuantConfig
 
     LynxQuantConfig(method=a.method)
     if not 1 <= a.draft_budget <= 4096:
         ap.error(f"--draft-budget must be in [1, 4096], got {a.draft_budget}")
     proxy = Proxy(a.prefill, a.decode, a.kv_host, a.kv_port, a.method, a.draft_budget,
-                  release=(0.0, 0.5)[:a.shadows])
+                  release=(0.0, 0.5)[:a.shadows], upstream_keep_alive_s=keep_alive)
     web.run_app(app(proxy), host=a.host, port=a.port, print=None)
 
 
